@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:  `make demo`  (install, then train + evaluate the demo)  and  `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.deform_plugin_installed
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+# --system-site-packages: a torch (or a compiled mmcv) already on the machine is kept and used as it is.
+$(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
+	$(PIP) install -r requirements/runtime.txt -r requirements/tests.txt
+	@# mmcv with compiled ops, where present, is used as it is; otherwise mmcv-lite (seconds, no compiler).
+	$(PY) -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('mmcv') and u.find_spec('mmcv._ext') else 1)" \
+		|| $(PIP) install mmcv-lite==2.1.0
+	$(PIP) install --no-deps --no-build-isolation -e .
+	$(PY) -c "import deform_plugin, mmdet.models; print('deform_plugin', deform_plugin.__version__, 'ready')"
+	touch $(STAMP)
+
+demo: install
+	$(PY) tools/demo.py
+
+test: install
+	$(PY) -m pytest tests
+
+clean:
+	rm -rf $(VENV) work_dirs .pytest_cache

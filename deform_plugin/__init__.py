@@ -1,0 +1,36 @@
+"""deform_plugin: fused multi-scale deformable attention for MMDetection 3.x.
+
+``import deform_plugin`` (or ``custom_imports = dict(imports=['deform_plugin'])`` in an mmdet config):
+
+1. where mmcv is installed without its compiled ops (mmcv-lite), installs a stand-in ``mmcv._ext`` so that
+   ``mmdet.models`` and friends import (see :mod:`deform_plugin.integration.mmcv_ext`);
+2. makes mmengine checkpoints load under torch >= 2.6;
+3. registers our ``MultiScaleDeformableAttention`` and rebinds mmdet's MSDA construction sites to it;
+4. registers the embedded demo dataset.
+
+The ops (:mod:`deform_plugin.ops`) need only torch (and triton for the Triton backend).
+"""
+import importlib.util
+
+from .ops import default_backend, get_default_backend, set_default_backend
+from .version import __version__
+
+__all__ = ["__version__", "default_backend", "get_default_backend", "set_default_backend"]
+
+
+def _install_openmmlab_integration() -> None:
+    if importlib.util.find_spec("mmcv") is None or importlib.util.find_spec("mmengine") is None:
+        return
+    from .integration.mmcv_ext import install_mmcv_ext_standin
+    install_mmcv_ext_standin()
+    if importlib.util.find_spec("deform_plugin.integration.checkpoint"):  # TEMP until written
+        from .integration import checkpoint
+        checkpoint.install()
+    from . import models  # noqa: F401  (registers the module)
+    from .integration.mmdet_swap import install_msda_swap
+    install_msda_swap()
+    if importlib.util.find_spec("mmdet") is not None and importlib.util.find_spec("deform_plugin.datasets"):  # TEMP
+        from . import datasets  # noqa: F401  (registers the embedded dataset)
+
+
+_install_openmmlab_integration()

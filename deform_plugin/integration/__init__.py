@@ -1,0 +1,1 @@
+"""The one layer that knows mmcv's and mmdet's private structure (construction sites, compiled extension)."""

@@ -1,0 +1,88 @@
+"""Public entry point of the deformable-SDPA op: validate, pick a backend, run it."""
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Optional
+
+import torch
+
+from ..backend import get_default_backend, resolve_backend
+from .checks import check_deform_sdpa_inputs
+from .reference import deform_sdpa_reference
+
+
+def deform_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch.Tensor, width: int, height: int,
+                sm_scale: Optional[float] = None, backend: Optional[str] = None) -> torch.Tensor:
+    """Multi-view deformable scaled dot-product attention, with sampling fused into the softmax on Triton.
+
+    For query pixel ``n`` of view ``v`` (every batch element and head), keys and values are sampled bilinearly at
+    ``S`` points in each of the ``V`` views; the query attends over those ``V*S`` samples with
+    ``softmax(q . k_sampled * sm_scale)``. Differentiable in q, k, v and coords.
+
+    Args:
+        q: ``(B, V, H, N, D)`` queries, ``N = width * height`` pixels per view, row-major.
+        k: ``(B, V, H, N, D)`` keys, sampled from each view's ``height x width`` map.
+        v: ``(B, V, H, N, D)`` values, sampled like the keys.
+        coords: ``(B, V, N, V, S, 2)``: for query pixel n of view v, the normalized (x, y) of S points in each of
+            the V views; pixel = x * width - 0.5 (our MSDA convention, grid_sample's align_corners=False).
+            Points outside a view sample zero keys and values (zero padding), as do NaN or infinite points, and
+            still take part in the softmax with score 0.
+        width: width of every view's map.
+        height: height of every view's map.
+        sm_scale: score scale; default ``1 / sqrt(D)``.
+        backend: ``'auto'``, ``'triton'``, ``'pytorch'`` or None for the process default (see
+            :mod:`deform_plugin.ops.backend`). ``'auto'`` runs Triton on CUDA (the PyTorch reference for float64)
+            and the reference elsewhere. A process default of ``'mmcv'`` (an MSDA-only backend) counts as
+            ``'auto'`` here; an explicit ``backend='mmcv'`` is an error.
+
+    Returns:
+        ``(B, V, H, N, D)`` in the dtype of q.
+
+    Raises:
+        TypeError: non-tensor inputs, non-floating dtypes, q/k/v dtypes that differ, or dtypes the chosen
+            backend cannot run (Triton: float16, bfloat16, float32).
+        ValueError: inconsistent shapes, mixed devices, ``backend='mmcv'``.
+
+    Example:
+        >>> B, V, S, H, D, W, Hh = 2, 3, 4, 2, 16, 5, 4
+        >>> q, k, v = (torch.randn(B, V, H, W * Hh, D) for _ in range(3))
+        >>> coords = torch.rand(B, V, W * Hh, V, S, 2)
+        >>> deform_sdpa(q, k, v, coords, W, Hh).shape
+        torch.Size([2, 3, 2, 20, 16])
+    """
+    if backend == "mmcv":
+        raise ValueError("backend='mmcv' has no deformable SDPA kernel (mmcv ships none): choose 'auto', "
+                         "'triton' or 'pytorch'")
+    shape = check_deform_sdpa_inputs(q, k, v, coords, width, height)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(shape.head_dim)
+    elif isinstance(sm_scale, bool) or not isinstance(sm_scale, Real):
+        raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}")
+    sm_scale = float(sm_scale)
+
+    requested = backend
+    if requested is None and get_default_backend() == "mmcv":
+        requested = "auto"
+    automatic = requested == "auto" or (requested is None and get_default_backend() == "auto")
+    name = resolve_backend(requested, q.device)
+    if name == "triton" and automatic and q.dtype == torch.float64:
+        # The kernels compute in float32; float64 inputs ask for the float64 reference.
+        name = "pytorch"
+
+    if shape.is_empty:
+        return _empty_result(q, k, v, coords)
+    if name == "triton":
+        from .triton_op import deform_sdpa_triton
+        return deform_sdpa_triton(q, k, v, coords, width, height, sm_scale)
+    return deform_sdpa_reference(q, k, v, coords, width, height, sm_scale)
+
+
+def _empty_result(q, k, v, coords):
+    # Zeros that stay connected to the inputs, so backward() gives zero gradients rather than an error; the
+    # empty slices add exactly 0 even where coords (non-empty when H == 0) hold NaN.
+    out = q.new_zeros(q.shape)
+    for tensor in (q, k, v, coords):
+        if tensor.requires_grad:
+            out = out + tensor.flatten()[:0].sum().to(out.dtype)
+    return out

@@ -1,0 +1,254 @@
+"""Triton kernels of deformable scaled dot-product attention: bilinear sampling fused into a flash-style softmax.
+
+One program handles one query: (batch, view, head, pixel). It walks the ``num_views * num_samples`` sampling points
+of that query in blocks of ``BLOCK_T``, gathers the four bilinear corners of the keys and values straight from the
+input maps, and keeps an online softmax, so the sampled keys and values never reach global memory. The backward
+recomputes the probabilities from the saved base-2 log-sum-exp and scatters key/value gradients to the four
+corners with atomics. All arithmetic is float32 whatever the storage dtype; all addressing is int64.
+
+Tensor arguments are contiguous; their shapes are commented at each pointer.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ..backend import triton_interpreter_enabled
+
+
+def _forward_configs():
+    if triton_interpreter_enabled():
+        # The interpreter would "benchmark" every config at ~ms per program: one config keeps tests fast.
+        return [triton.Config({"BLOCK_T": 16}, num_warps=1)]
+    return [triton.Config({"BLOCK_T": block_t}, num_warps=warps)
+            for block_t in (16, 32, 64) for warps in (2, 4)]
+
+
+def _backward_configs():
+    if triton_interpreter_enabled():
+        return [triton.Config({"BLOCK_T": 16}, num_warps=1)]
+    return [triton.Config({"BLOCK_T": block_t}, num_warps=warps)
+            for block_t in (16, 32, 64) for warps in (2, 4, 8)]
+
+
+@triton.jit
+def _sample_geometry(coords_ptr, coord_offsets, sample_mask, width, height):
+    """Bilinear setup of a block of samples: validity, top-left corner and fractional offsets in pixels."""
+    x = tl.load(coords_ptr + coord_offsets, mask=sample_mask, other=0.0).to(tl.float32)
+    y = tl.load(coords_ptr + coord_offsets + 1, mask=sample_mask, other=0.0).to(tl.float32)
+    # NaN fails every comparison, so this also drops NaN and +-inf; huge finite points sample zero anyway.
+    valid = sample_mask & (tl.abs(x) < 1e30) & (tl.abs(y) < 1e30)
+    x = tl.where(valid, x, -1.0)
+    y = tl.where(valid, y, -1.0)
+    # The clamp keeps float->int conversion defined; it moves only points whose four corners are all outside.
+    pixel_x = tl.minimum(tl.maximum(x * width - 0.5, -2.0), width + 1.0)
+    pixel_y = tl.minimum(tl.maximum(y * height - 0.5, -2.0), height + 1.0)
+    left = tl.floor(pixel_x)
+    top = tl.floor(pixel_y)
+    return valid, left.to(tl.int32), top.to(tl.int32), pixel_x - left, pixel_y - top
+
+
+@triton.jit
+def _corner_offsets(plane, left, top, step_x: tl.constexpr, step_y: tl.constexpr, valid, width, height, offs_d,
+                    mask_d, head_dim):
+    """Element offsets (BLOCK_T, BLOCK_D) of one bilinear corner and its mask (outside the map: masked)."""
+    col = left + step_x
+    row = top + step_y
+    inside = valid & (col >= 0) & (col < width) & (row >= 0) & (row < height)
+    pixel = tl.where(inside, row * width + col, 0).to(tl.int64)
+    offsets = (plane + pixel)[:, None] * head_dim + offs_d[None, :]
+    return offsets, inside[:, None] & mask_d[None, :]
+
+
+@triton.jit
+def _corner_weight(frac_x, frac_y, step_x: tl.constexpr, step_y: tl.constexpr):
+    weight_x = frac_x if step_x == 1 else 1.0 - frac_x
+    weight_y = frac_y if step_y == 1 else 1.0 - frac_y
+    return weight_x * weight_y
+
+
+@triton.jit
+def _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, step_x: tl.constexpr, step_y: tl.constexpr,
+                    valid, width, height, offs_d, mask_d, head_dim, q):
+    """One corner's contribution: its weight, the score part ``q . k_corner`` and the value tile."""
+    offsets, mask = _corner_offsets(plane, left, top, step_x, step_y, valid, width, height, offs_d, mask_d,
+                                    head_dim)
+    weight = _corner_weight(frac_x, frac_y, step_x, step_y)
+    key = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    value = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return weight, tl.sum(key * q[None, :], 1), value
+
+
+@triton.autotune(configs=_forward_configs(), key=["NUM_KEYS", "head_dim"])
+@triton.jit
+def deform_sdpa_forward_kernel(
+    q_ptr,  # (B, V, H, N, D)
+    k_ptr,  # (B, V, H, N, D)
+    v_ptr,  # (B, V, H, N, D)
+    coords_ptr,  # (B, V, N, V, S, 2) normalized (x, y)
+    out_ptr,  # (B, V, H, N, D)
+    lse_ptr,  # (B, V, H, N) float32: log2 of the softmax denominator of the base-2 scores
+    qk_scale,  # sm_scale * log2(e): scores in base 2 so the softmax can use exp2
+    num_views, num_heads, num_pixels, num_samples, width, height, head_dim,
+    NUM_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    # Heads vary fastest, so programs that share a query's sampling points run side by side and share the cache.
+    head = pid % num_heads
+    query = pid // num_heads  # flat (batch, view, pixel): the row of coords
+    pixel = query % num_pixels
+    batch_view = query // num_pixels
+    batch = batch_view // num_views
+    row = (batch_view * num_heads + head) * num_pixels + pixel  # flat (batch, view, head, pixel)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    q = tl.load(q_ptr + row * head_dim + offs_d, mask=mask_d, other=0.0).to(tl.float32) * qk_scale
+
+    running_max = tl.full([], float("-inf"), tl.float32)
+    denominator = tl.full([], 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    coord_base = query * NUM_KEYS * 2
+    for key_start in range(0, NUM_KEYS, BLOCK_T):
+        offs_t = key_start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < NUM_KEYS
+        valid, left, top, frac_x, frac_y = _sample_geometry(coords_ptr, coord_base + offs_t * 2, mask_t, width,
+                                                            height)
+        view = offs_t // num_samples
+        plane = ((batch * num_views + view) * num_heads + head) * num_pixels  # first pixel of the sampled map
+
+        w00, s00, v00 = _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 0, valid, width,
+                                        height, offs_d, mask_d, head_dim, q)
+        w01, s01, v01 = _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 0, valid, width,
+                                        height, offs_d, mask_d, head_dim, q)
+        w10, s10, v10 = _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 1, valid, width,
+                                        height, offs_d, mask_d, head_dim, q)
+        w11, s11, v11 = _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 1, valid, width,
+                                        height, offs_d, mask_d, head_dim, q)
+        # q . bilinear(k) = sum over corners of weight * (q . k_corner): the sampled key is never formed.
+        scores = w00 * s00 + w01 * s01 + w10 * s10 + w11 * s11
+        scores = tl.where(mask_t, scores, float("-inf"))
+        # Every block holds at least one real sample, so the new maximum is finite.
+        new_max = tl.maximum(running_max, tl.max(scores, 0))
+        rescale = tl.exp2(running_max - new_max)
+        probs = tl.exp2(scores - new_max)
+        denominator = denominator * rescale + tl.sum(probs, 0)
+        sampled_value = ((probs * w00)[:, None] * v00 + (probs * w01)[:, None] * v01
+                         + (probs * w10)[:, None] * v10 + (probs * w11)[:, None] * v11)
+        acc = acc * rescale + tl.sum(sampled_value, 0)
+        running_max = new_max
+
+    out = acc / denominator
+    tl.store(out_ptr + row * head_dim + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(lse_ptr + row, running_max + tl.log2(denominator))
+
+
+@triton.jit
+def _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, step_x: tl.constexpr,
+                          step_y: tl.constexpr, valid, width, height, offs_d, mask_d, head_dim, q, grad_out):
+    """One corner's weight, key tile, ``q . k_corner`` and ``grad_out . v_corner``."""
+    offsets, mask = _corner_offsets(plane, left, top, step_x, step_y, valid, width, height, offs_d, mask_d,
+                                    head_dim)
+    weight = _corner_weight(frac_x, frac_y, step_x, step_y)
+    key = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    value = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return weight, key, tl.sum(key * q[None, :], 1), tl.sum(value * grad_out[None, :], 1)
+
+
+@triton.jit
+def _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, step_x: tl.constexpr, step_y: tl.constexpr,
+                             valid, width, height, offs_d, mask_d, head_dim, key_grad_scale, value_grad_scale, q,
+                             grad_out):
+    """Add this corner's share of the sampled key/value gradients into dk and dv (float32 buffers)."""
+    offsets, mask = _corner_offsets(plane, left, top, step_x, step_y, valid, width, height, offs_d, mask_d,
+                                    head_dim)
+    tl.atomic_add(dk_ptr + offsets, key_grad_scale[:, None] * q[None, :], mask=mask, sem="relaxed")
+    tl.atomic_add(dv_ptr + offsets, value_grad_scale[:, None] * grad_out[None, :], mask=mask, sem="relaxed")
+
+
+@triton.autotune(configs=_backward_configs(), key=["NUM_KEYS", "head_dim", "COORDS_GRAD"],
+                 reset_to_zero=["dk_ptr", "dv_ptr", "dcoords_ptr"])
+@triton.jit
+def deform_sdpa_backward_kernel(
+    q_ptr,  # (B, V, H, N, D)
+    k_ptr,  # (B, V, H, N, D)
+    v_ptr,  # (B, V, H, N, D)
+    coords_ptr,  # (B, V, N, V, S, 2)
+    out_ptr,  # (B, V, H, N, D) forward output
+    grad_out_ptr,  # (B, V, H, N, D)
+    lse_ptr,  # (B, V, H, N) float32, from the forward
+    dq_ptr,  # (B, V, H, N, D) in q's dtype, written once per query
+    dk_ptr,  # (B, V, H, N, D) float32, zero-filled, accumulated atomically
+    dv_ptr,  # (B, V, H, N, D) float32, zero-filled, accumulated atomically
+    dcoords_ptr,  # (B, V, N, V, S, 2) float32, zero-filled, accumulated atomically over heads
+    sm_scale, qk_scale,  # qk_scale = sm_scale * log2(e)
+    num_views, num_heads, num_pixels, num_samples, width, height, head_dim,
+    NUM_KEYS: tl.constexpr, COORDS_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    head = pid % num_heads
+    query = pid // num_heads
+    pixel = query % num_pixels
+    batch_view = query // num_pixels
+    batch = batch_view // num_views
+    row = (batch_view * num_heads + head) * num_pixels + pixel
+
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    q = tl.load(q_ptr + row * head_dim + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    grad_out = tl.load(grad_out_ptr + row * head_dim + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    out = tl.load(out_ptr + row * head_dim + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    # d(loss)/d(score_t) = p_t * (grad_out . v_t - sum_t' p_t' grad_out . v_t'), and the sum is grad_out . out.
+    delta = tl.sum(grad_out * out, 0)
+    lse = tl.load(lse_ptr + row)
+
+    dq = tl.zeros([BLOCK_D], dtype=tl.float32)
+    coord_base = query * NUM_KEYS * 2
+    for key_start in range(0, NUM_KEYS, BLOCK_T):
+        offs_t = key_start + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < NUM_KEYS
+        valid, left, top, frac_x, frac_y = _sample_geometry(coords_ptr, coord_base + offs_t * 2, mask_t, width,
+                                                            height)
+        view = offs_t // num_samples
+        plane = ((batch * num_views + view) * num_heads + head) * num_pixels
+
+        w00, k00, qk00, gv00 = _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 0, valid,
+                                                     width, height, offs_d, mask_d, head_dim, q, grad_out)
+        w01, k01, qk01, gv01 = _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 0, valid,
+                                                     width, height, offs_d, mask_d, head_dim, q, grad_out)
+        w10, k10, qk10, gv10 = _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 1, valid,
+                                                     width, height, offs_d, mask_d, head_dim, q, grad_out)
+        w11, k11, qk11, gv11 = _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 1, valid,
+                                                     width, height, offs_d, mask_d, head_dim, q, grad_out)
+        scores = (w00 * qk00 + w01 * qk01 + w10 * qk10 + w11 * qk11) * qk_scale
+        probs = tl.where(mask_t, tl.exp2(scores - lse), 0.0)
+        grad_probs = w00 * gv00 + w01 * gv01 + w10 * gv10 + w11 * gv11
+        grad_scores = probs * (grad_probs - delta) * sm_scale  # gradient of q . k_t before scaling
+
+        sampled_key = (w00[:, None] * k00 + w01[:, None] * k01 + w10[:, None] * k10 + w11[:, None] * k11)
+        dq += tl.sum(grad_scores[:, None] * sampled_key, 0)
+
+        _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, 0, 0, valid, width, height, offs_d, mask_d,
+                                 head_dim, grad_scores * w00, probs * w00, q, grad_out)
+        _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, 1, 0, valid, width, height, offs_d, mask_d,
+                                 head_dim, grad_scores * w01, probs * w01, q, grad_out)
+        _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, 0, 1, valid, width, height, offs_d, mask_d,
+                                 head_dim, grad_scores * w10, probs * w10, q, grad_out)
+        _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, 1, 1, valid, width, height, offs_d, mask_d,
+                                 head_dim, grad_scores * w11, probs * w11, q, grad_out)
+
+        if COORDS_GRAD:
+            # Gradient of the loss with respect to each corner's bilinear weight, then the chain rule through
+            # w = (1 - fx or fx) * (1 - fy or fy), fx = x * width - 0.5 - floor(...).
+            g00 = grad_scores * qk00 + probs * gv00
+            g01 = grad_scores * qk01 + probs * gv01
+            g10 = grad_scores * qk10 + probs * gv10
+            g11 = grad_scores * qk11 + probs * gv11
+            grad_x = ((g01 - g00) * (1.0 - frac_y) + (g11 - g10) * frac_y) * width
+            grad_y = ((g10 - g00) * (1.0 - frac_x) + (g11 - g01) * frac_x) * height
+            coord_offsets = coord_base + offs_t * 2
+            tl.atomic_add(dcoords_ptr + coord_offsets, tl.where(valid, grad_x, 0.0), mask=mask_t, sem="relaxed")
+            tl.atomic_add(dcoords_ptr + coord_offsets + 1, tl.where(valid, grad_y, 0.0), mask=mask_t,
+                          sem="relaxed")
+
+    tl.store(dq_ptr + row * head_dim + offs_d, dq.to(dq_ptr.dtype.element_ty), mask=mask_d)

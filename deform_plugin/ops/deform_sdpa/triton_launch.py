@@ -1,0 +1,94 @@
+"""Host launchers of the deformable-SDPA Triton kernels: validate, allocate, pick block sizes, launch.
+
+These take and return plain tensors (no autograd); :mod:`.triton_op` wraps them in a custom op.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Tuple
+
+import torch
+import triton
+
+from .triton_kernels import deform_sdpa_backward_kernel, deform_sdpa_forward_kernel
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def triton_unsupported_reasons(q: torch.Tensor, coords: torch.Tensor) -> list:
+    """Every reason the Triton kernels cannot run these inputs (empty when they can)."""
+    reasons = []
+    if q.dtype not in TRITON_DTYPES:
+        reasons.append(f"q, k, v are {q.dtype} but the Triton kernels take float16, bfloat16 or float32 "
+                       "(use backend='pytorch' for float64)")
+    if coords.dtype not in TRITON_DTYPES + (torch.float64,):
+        reasons.append(f"coords are {coords.dtype}, not a floating dtype")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {q.shape[-1]} exceeds {MAX_HEAD_DIM}, the largest the kernels tile")
+    return reasons
+
+
+def _check_supported(q: torch.Tensor, coords: torch.Tensor) -> None:
+    reasons = triton_unsupported_reasons(q, coords)
+    if reasons:
+        raise TypeError("backend='triton' cannot run these inputs: " + "; ".join(reasons))
+
+
+def _on_device(tensor: torch.Tensor):
+    # Triton launches on the current CUDA device: make it the tensors' device (cuda:1 and beyond).
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+def _sizes(q: torch.Tensor, coords: torch.Tensor, width: int, height: int) -> dict:
+    _, num_views, num_heads, num_pixels, head_dim = q.shape
+    num_samples = coords.shape[4]
+    return dict(num_views=num_views, num_heads=num_heads, num_pixels=num_pixels, num_samples=num_samples,
+                NUM_KEYS=num_views * num_samples, width=width, height=height, head_dim=head_dim)
+
+
+def _block_d(head_dim: int) -> int:
+    # Block shapes must be powers of two; masks cover the padding (head_dim 24 -> 32, 80 -> 128).
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def deform_sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch.Tensor, width: int,
+                        height: int, sm_scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Fused forward. Returns ``out (B, V, H, N, D)`` in q's dtype and ``lse (B, V, H, N)`` float32 (base 2)."""
+    _check_supported(q, coords)
+    q, k, v, coords = (t.contiguous() for t in (q, k, v, coords))
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:4], dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    sizes = _sizes(q, coords, width, height)
+    grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
+    with _on_device(q):
+        deform_sdpa_forward_kernel[grid](q, k, v, coords, out, lse, sm_scale * math.log2(math.e), **sizes,
+                                         BLOCK_D=_block_d(sizes["head_dim"]))
+    return out, lse
+
+
+def deform_sdpa_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         coords: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, width: int, height: int,
+                         sm_scale: float, coords_grad: bool
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused backward. Returns ``dq, dk, dv`` like q, and ``dcoords`` like coords (empty when not ``coords_grad``)."""
+    _check_supported(q, coords)
+    grad_out, q, k, v, coords, out, lse = (t.contiguous() for t in (grad_out, q, k, v, coords, out, lse))
+    dq = torch.empty_like(q)
+    # Atomic accumulation happens in float32 whatever the storage dtype; cast once at the end.
+    dk = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dv = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dcoords = torch.zeros(coords.shape if coords_grad else (0,), dtype=torch.float32, device=q.device)
+    if q.numel() > 0:
+        sizes = _sizes(q, coords, width, height)
+        grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
+        with _on_device(q):
+            deform_sdpa_backward_kernel[grid](q, k, v, coords, out, grad_out, lse, dq, dk, dv, dcoords, sm_scale,
+                                              sm_scale * math.log2(math.e), **sizes, COORDS_GRAD=coords_grad,
+                                              BLOCK_D=_block_d(sizes["head_dim"]))
+    else:
+        dq.zero_()
+    return dq, dk.to(q.dtype), dv.to(q.dtype), dcoords.to(coords.dtype)

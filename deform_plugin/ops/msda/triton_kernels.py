@@ -1,0 +1,302 @@
+"""Triton kernels of multi-scale deformable attention (forward, backward, deterministic grad_value reduction).
+
+One program handles BLOCK_Q queries of one (image, head): it walks the levels and points, gathers the four corner
+rows of ``head_dim`` channels per sample as a [BLOCK_Q, BLOCK_D] tile, and accumulates in float32 (float64 for
+float64 storage) whatever the storage dtype. Coordinates are always computed in float32 or wider.
+
+With FUSED the kernels take the module's raw predictions instead of locations and weights: reference points plus
+offsets give the locations (mmcv's arithmetic, 2-d points or 4-d boxes), and the softmax over levels x points of the
+raw logits gives the weights, so neither intermediate tensor exists in memory.
+
+All address arithmetic is int64 (tensors may exceed 2^31 elements).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _softmax_stats(logit_ptr, sample_base, q_mask,
+                   NUM_LP: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    # The L*P logits of one (query, head) are contiguous: one [BLOCK_Q, BLOCK_LP] tile gives max and sum at once.
+    cols = tl.arange(0, BLOCK_LP)
+    col_mask = cols < NUM_LP
+    logits = tl.load(logit_ptr + sample_base[:, None] + cols[None, :],
+                     mask=q_mask[:, None] & col_mask[None, :], other=float("-inf")).to(ACC_DTYPE)
+    row_max = tl.max(logits, axis=1)
+    # Masked-out rows are all -inf; keep their statistics finite so no NaN is born there.
+    row_max = tl.where(q_mask, row_max, 0.0)
+    exp_logits = tl.where(col_mask[None, :], tl.exp(logits - row_max[:, None]), 0.0)
+    row_sum = tl.sum(exp_logits, axis=1)
+    row_sum = tl.where(q_mask, row_sum, 1.0)
+    return row_max, row_sum
+
+
+@triton.jit
+def _sample_location(loc_ptr, ref_ptr, loc_offset, ref_offset, level_h, level_w, q_mask,
+                     FUSED: tl.constexpr, REF_DIM: tl.constexpr, NUM_POINTS: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    # Returns the normalized location (x, y), plus the raw offsets (FUSED) that the backward needs.
+    raw_x = tl.load(loc_ptr + loc_offset, mask=q_mask, other=0.0).to(ACC_DTYPE)
+    raw_y = tl.load(loc_ptr + loc_offset + 1, mask=q_mask, other=0.0).to(ACC_DTYPE)
+    if FUSED:
+        ref_x = tl.load(ref_ptr + ref_offset, mask=q_mask, other=0.0).to(ACC_DTYPE)
+        ref_y = tl.load(ref_ptr + ref_offset + 1, mask=q_mask, other=0.0).to(ACC_DTYPE)
+        if REF_DIM == 2:
+            loc_x = ref_x + raw_x / level_w
+            loc_y = ref_y + raw_y / level_h
+        else:
+            box_w = tl.load(ref_ptr + ref_offset + 2, mask=q_mask, other=0.0).to(ACC_DTYPE)
+            box_h = tl.load(ref_ptr + ref_offset + 3, mask=q_mask, other=0.0).to(ACC_DTYPE)
+            loc_x = ref_x + raw_x / NUM_POINTS * box_w * 0.5
+            loc_y = ref_y + raw_y / NUM_POINTS * box_h * 0.5
+    else:
+        loc_x = raw_x
+        loc_y = raw_y
+    return loc_x, loc_y, raw_x, raw_y
+
+
+@triton.jit
+def _pixel_coordinates(loc_x, loc_y, level_h, level_w):
+    # pixel = x * w - 0.5 (mmcv). Non-finite locations are parked at -2, where all four corners are outside;
+    # clamping keeps the float -> int conversion defined and only moves points whose corners are all outside.
+    finite = (tl.abs(loc_x) < float("inf")) & (tl.abs(loc_y) < float("inf"))
+    pixel_x = tl.where(finite, loc_x * level_w - 0.5, -2.0)
+    pixel_y = tl.where(finite, loc_y * level_h - 0.5, -2.0)
+    pixel_x = tl.minimum(tl.maximum(pixel_x, -2.0), level_w + 1.0)
+    pixel_y = tl.minimum(tl.maximum(pixel_y, -2.0), level_h + 1.0)
+    x0f = tl.floor(pixel_x)
+    y0f = tl.floor(pixel_y)
+    return finite, pixel_x - x0f, pixel_y - y0f, x0f.to(tl.int32), y0f.to(tl.int32)
+
+
+@triton.jit
+def msda_forward_kernel(
+    value_ptr,        # (B, S, H, D)
+    shapes_ptr,       # (L, 2) integer (h, w)
+    starts_ptr,       # (L,) integer offset of each level in S
+    loc_ptr,          # (B, Q, H, L, P, 2) normalized locations; raw offsets when FUSED
+    weight_ptr,       # (B, Q, H, L, P) attention weights; raw logits when FUSED
+    ref_ptr,          # (B, Q, L, REF_DIM) reference points (FUSED only)
+    out_ptr,          # (B, Q, H, D)
+    num_keys, num_queries, num_heads, head_dim,
+    NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    pid_q = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    NUM_LP: tl.constexpr = NUM_LEVELS * NUM_POINTS
+
+    query = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_mask = query < num_queries
+    channel = tl.arange(0, BLOCK_D)
+    tile_mask = q_mask[:, None] & (channel < head_dim)[None, :]
+    row_stride = num_heads * head_dim                        # elements between two keys of value
+    value_base = batch * num_keys * row_stride + head * head_dim
+    query_row = (batch * num_queries + query) * num_heads + head   # (b, q, h) row of out / weights
+    sample_base = query_row * NUM_LP
+
+    if FUSED:
+        row_max, row_sum = _softmax_stats(weight_ptr, sample_base, q_mask, NUM_LP, BLOCK_LP, ACC_DTYPE)
+
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
+    for level in range(NUM_LEVELS):
+        level_h = tl.load(shapes_ptr + 2 * level).to(tl.int32)
+        level_w = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
+        level_start = tl.load(starts_ptr + level).to(tl.int64)
+        level_hf = level_h.to(ACC_DTYPE)
+        level_wf = level_w.to(ACC_DTYPE)
+        ref_offset = ((batch * num_queries + query) * NUM_LEVELS + level) * REF_DIM
+        for point in tl.static_range(NUM_POINTS):
+            sample = sample_base + level * NUM_POINTS + point
+            loc_x, loc_y, _, _ = _sample_location(loc_ptr, ref_ptr, sample * 2, ref_offset, level_hf, level_wf,
+                                                  q_mask, FUSED, REF_DIM, NUM_POINTS, ACC_DTYPE)
+            weight = tl.load(weight_ptr + sample, mask=q_mask, other=0.0).to(ACC_DTYPE)
+            if FUSED:
+                weight = tl.exp(weight - row_max) / row_sum
+            finite, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
+            for corner in tl.static_range(4):
+                dx: tl.constexpr = corner % 2
+                dy: tl.constexpr = corner // 2
+                cx = x0 + dx
+                cy = y0 + dy
+                inside = finite & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
+                wx = frac_x if dx == 1 else 1.0 - frac_x
+                wy = frac_y if dy == 1 else 1.0 - frac_y
+                key = level_start + (cy * level_w + cx).to(tl.int64)
+                rows = tl.load(value_ptr + value_base + key[:, None] * row_stride + channel[None, :],
+                               mask=tile_mask & inside[:, None], other=0.0).to(ACC_DTYPE)
+                acc += (weight * wx * wy)[:, None] * rows
+    out_offset = query_row[:, None] * head_dim + channel[None, :]
+    tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
+
+
+@triton.jit
+def msda_backward_kernel(
+    grad_out_ptr,     # (B, Q, H, D)
+    value_ptr,        # (B, S, H, D)
+    shapes_ptr,       # (L, 2)
+    starts_ptr,       # (L,)
+    loc_ptr,          # (B, Q, H, L, P, 2) locations; raw offsets when FUSED
+    weight_ptr,       # (B, Q, H, L, P) weights; raw logits when FUSED
+    ref_ptr,          # (B, Q, L, REF_DIM) (FUSED only)
+    grad_value_ptr,   # (B, S, H, D) float32/float64, accumulated atomically (not DETERMINISTIC)
+    grad_loc_ptr,     # (B, Q, H, L, P, 2) grad of locations; of raw offsets when FUSED
+    grad_weight_ptr,  # (B, Q, H, L, P) grad of weights; of raw logits when FUSED
+    grad_ref_ptr,     # (B, Q, H, L, REF_DIM) float32/float64 per-head grad of reference points (FUSED only)
+    entry_key_ptr,    # (B*Q*H*L*P*4,) int64 grad_value row of each corner, -1 if none (DETERMINISTIC only)
+    entry_coef_ptr,   # (B*Q*H*L*P*4,) float coefficient of grad_out in that row (DETERMINISTIC only)
+    num_keys, num_queries, num_heads, head_dim,
+    NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
+    DETERMINISTIC: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    pid_q = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    NUM_LP: tl.constexpr = NUM_LEVELS * NUM_POINTS
+
+    query = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    q_mask = query < num_queries
+    channel = tl.arange(0, BLOCK_D)
+    tile_mask = q_mask[:, None] & (channel < head_dim)[None, :]
+    row_stride = num_heads * head_dim
+    value_base = batch * num_keys * row_stride + head * head_dim
+    query_row = (batch * num_queries + query) * num_heads + head
+    sample_base = query_row * NUM_LP
+    grad_out = tl.load(grad_out_ptr + query_row[:, None] * head_dim + channel[None, :],
+                       mask=tile_mask, other=0.0).to(ACC_DTYPE)
+
+    if FUSED:
+        row_max, row_sum = _softmax_stats(weight_ptr, sample_base, q_mask, NUM_LP, BLOCK_LP, ACC_DTYPE)
+        lp_cols = tl.arange(0, BLOCK_LP)
+        # Softmax backward needs every grad of the weights of a query before the first can be written:
+        # keep weights and their grads as [BLOCK_Q, BLOCK_LP] register tiles.
+        weight_tile = tl.zeros((BLOCK_Q, BLOCK_LP), dtype=ACC_DTYPE)
+        grad_weight_tile = tl.zeros((BLOCK_Q, BLOCK_LP), dtype=ACC_DTYPE)
+
+    for level in range(NUM_LEVELS):
+        level_h = tl.load(shapes_ptr + 2 * level).to(tl.int32)
+        level_w = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
+        level_start = tl.load(starts_ptr + level).to(tl.int64)
+        level_hf = level_h.to(ACC_DTYPE)
+        level_wf = level_w.to(ACC_DTYPE)
+        ref_offset = ((batch * num_queries + query) * NUM_LEVELS + level) * REF_DIM
+        if FUSED:
+            grad_ref_x = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+            grad_ref_y = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+            grad_box_w = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+            grad_box_h = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+        for point in tl.static_range(NUM_POINTS):
+            sample = sample_base + level * NUM_POINTS + point
+            loc_x, loc_y, raw_x, raw_y = _sample_location(loc_ptr, ref_ptr, sample * 2, ref_offset, level_hf,
+                                                          level_wf, q_mask, FUSED, REF_DIM, NUM_POINTS, ACC_DTYPE)
+            weight = tl.load(weight_ptr + sample, mask=q_mask, other=0.0).to(ACC_DTYPE)
+            if FUSED:
+                weight = tl.exp(weight - row_max) / row_sum
+            finite, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
+            # d(sampled)/d(frac_x) and d/d(frac_y), contracted with grad_out over channels as they accumulate.
+            sampled = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
+            d_frac_x = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
+            d_frac_y = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
+            for corner in tl.static_range(4):
+                dx: tl.constexpr = corner % 2
+                dy: tl.constexpr = corner // 2
+                cx = x0 + dx
+                cy = y0 + dy
+                inside = finite & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
+                wx = frac_x if dx == 1 else 1.0 - frac_x
+                wy = frac_y if dy == 1 else 1.0 - frac_y
+                key = level_start + (cy * level_w + cx).to(tl.int64)
+                row_offset = value_base + key[:, None] * row_stride + channel[None, :]
+                corner_mask = tile_mask & inside[:, None]
+                rows = tl.load(value_ptr + row_offset, mask=corner_mask, other=0.0).to(ACC_DTYPE)
+                sampled += (wx * wy)[:, None] * rows
+                sign_x = 1.0 if dx == 1 else -1.0
+                sign_y = 1.0 if dy == 1 else -1.0
+                d_frac_x += (sign_x * wy)[:, None] * rows
+                d_frac_y += (sign_y * wx)[:, None] * rows
+                coef = weight * wx * wy
+                if DETERMINISTIC:
+                    entry = sample * 4 + corner
+                    value_row = (batch * num_keys + key) * num_heads + head
+                    tl.store(entry_key_ptr + entry, tl.where(inside, value_row, -1), mask=q_mask)
+                    tl.store(entry_coef_ptr + entry, coef, mask=q_mask)
+                else:
+                    tl.atomic_add(grad_value_ptr + row_offset, coef[:, None] * grad_out, mask=corner_mask,
+                                  sem="relaxed")
+            grad_weight = tl.sum(grad_out * sampled, axis=1)
+            # Chain rule through pixel = loc * size - 0.5; zero where the location was not finite.
+            grad_pixel_x = tl.where(finite, weight * tl.sum(grad_out * d_frac_x, axis=1), 0.0)
+            grad_pixel_y = tl.where(finite, weight * tl.sum(grad_out * d_frac_y, axis=1), 0.0)
+            grad_loc_x = grad_pixel_x * level_wf
+            grad_loc_y = grad_pixel_y * level_hf
+            if FUSED:
+                if REF_DIM == 2:
+                    # loc = ref + offset / size, so d loc / d offset * d pixel / d loc = 1.
+                    grad_raw_x = grad_pixel_x
+                    grad_raw_y = grad_pixel_y
+                else:
+                    box_w = tl.load(ref_ptr + ref_offset + 2, mask=q_mask, other=0.0).to(ACC_DTYPE)
+                    box_h = tl.load(ref_ptr + ref_offset + 3, mask=q_mask, other=0.0).to(ACC_DTYPE)
+                    grad_raw_x = grad_loc_x * box_w * (0.5 / NUM_POINTS)
+                    grad_raw_y = grad_loc_y * box_h * (0.5 / NUM_POINTS)
+                    grad_box_w += grad_loc_x * raw_x * (0.5 / NUM_POINTS)
+                    grad_box_h += grad_loc_y * raw_y * (0.5 / NUM_POINTS)
+                grad_ref_x += grad_loc_x
+                grad_ref_y += grad_loc_y
+                tl.store(grad_loc_ptr + sample * 2, grad_raw_x, mask=q_mask)
+                tl.store(grad_loc_ptr + sample * 2 + 1, grad_raw_y, mask=q_mask)
+                column = level * NUM_POINTS + point
+                weight_tile = tl.where(lp_cols[None, :] == column, weight[:, None], weight_tile)
+                grad_weight_tile = tl.where(lp_cols[None, :] == column, grad_weight[:, None], grad_weight_tile)
+            else:
+                tl.store(grad_loc_ptr + sample * 2, grad_loc_x, mask=q_mask)
+                tl.store(grad_loc_ptr + sample * 2 + 1, grad_loc_y, mask=q_mask)
+                tl.store(grad_weight_ptr + sample, grad_weight, mask=q_mask)
+        if FUSED:
+            grad_ref_offset = (query_row * NUM_LEVELS + level) * REF_DIM
+            tl.store(grad_ref_ptr + grad_ref_offset, grad_ref_x, mask=q_mask)
+            tl.store(grad_ref_ptr + grad_ref_offset + 1, grad_ref_y, mask=q_mask)
+            if REF_DIM == 4:
+                tl.store(grad_ref_ptr + grad_ref_offset + 2, grad_box_w, mask=q_mask)
+                tl.store(grad_ref_ptr + grad_ref_offset + 3, grad_box_h, mask=q_mask)
+    if FUSED:
+        # Softmax backward: d logit_j = w_j * (g_j - sum_k w_k g_k).
+        weighted_sum = tl.sum(weight_tile * grad_weight_tile, axis=1)
+        grad_logits = weight_tile * (grad_weight_tile - weighted_sum[:, None])
+        tl.store(grad_weight_ptr + sample_base[:, None] + lp_cols[None, :], grad_logits,
+                 mask=q_mask[:, None] & (lp_cols < NUM_LP)[None, :])
+
+
+@triton.jit
+def msda_grad_value_segments_kernel(
+    grad_out_ptr,     # (B, Q, H, D)
+    order_ptr,        # (E,) int64 entries sorted by grad_value row (stable: ties keep entry order)
+    bounds_ptr,       # (R + 1,) int64 first sorted position of each grad_value row
+    entry_coef_ptr,   # (E,) coefficient of each entry
+    grad_value_ptr,   # (R, D) = (B, S, H, D)
+    head_dim, entries_per_query_row,
+    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, ACC_DTYPE: tl.constexpr,
+):
+    # One program per grad_value row, summing its entries in a fixed order: bit-identical from run to run.
+    row = tl.program_id(0).to(tl.int64)
+    channel = tl.arange(0, BLOCK_D)
+    channel_mask = channel < head_dim
+    begin = tl.load(bounds_ptr + row)
+    end = tl.load(bounds_ptr + row + 1)
+    acc = tl.zeros((BLOCK_D,), dtype=ACC_DTYPE)
+    # A while loop rather than range(begin, end): the interpreter cannot iterate over loaded bounds.
+    chunk = begin
+    while chunk < end:
+        position = chunk + tl.arange(0, BLOCK_E)
+        entry_mask = position < end
+        entry = tl.load(order_ptr + position, mask=entry_mask, other=0)
+        coef = tl.load(entry_coef_ptr + entry, mask=entry_mask, other=0.0).to(ACC_DTYPE)
+        query_row = entry // entries_per_query_row
+        grad_out = tl.load(grad_out_ptr + query_row[:, None] * head_dim + channel[None, :],
+                           mask=entry_mask[:, None] & channel_mask[None, :], other=0.0).to(ACC_DTYPE)
+        acc += tl.sum(coef[:, None] * grad_out, axis=0)
+        chunk += BLOCK_E
+    tl.store(grad_value_ptr + row * head_dim + channel, acc.to(grad_value_ptr.dtype.element_ty), mask=channel_mask)

@@ -1,0 +1,131 @@
+"""The Triton MSDA kernels as ``torch.library`` custom ops, with fake implementations and registered autograd.
+
+Registering them (rather than calling Triton from an ``autograd.Function``) lets ``torch.compile(fullgraph=True)``
+trace a module that calls the op: the compiler sees one opaque op with known output shapes instead of a graph break.
+
+Dtypes: ``value`` may be float16, bfloat16, float32 or float64 storage; locations, weights (and the fused path's
+reference points, offsets and logits) may each have any of these dtypes, as they arrive under ``torch.autocast``
+(value from a half-precision Linear, locations in float32). The kernels load each in its own dtype and compute
+coordinates, interpolation weights and accumulation in float32 (float64 for float64 values). The output has value's
+dtype; each gradient has its input's dtype.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from . import triton_launch
+
+_LIBRARY = "deform_plugin"
+
+
+@torch.library.custom_op(f"{_LIBRARY}::msda_forward", mutates_args=())
+def _msda_forward_op(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
+                     sampling_locations: torch.Tensor, attention_weights: torch.Tensor) -> torch.Tensor:
+    return triton_launch.msda_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                                      attention_weights)
+
+
+@_msda_forward_op.register_fake
+def _(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    batch, _, num_heads, head_dim = value.shape
+    return value.new_empty((batch, sampling_locations.shape[1], num_heads * head_dim))
+
+
+@torch.library.custom_op(f"{_LIBRARY}::msda_backward", mutates_args=())
+def _msda_backward_op(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: torch.Tensor,
+                      level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
+                      attention_weights: torch.Tensor, deterministic: bool
+                      ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_value, grad_locations, grad_weights, _ = triton_launch.msda_backward(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        deterministic=deterministic)
+    return grad_value, grad_locations, grad_weights
+
+
+@_msda_backward_op.register_fake
+def _(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, deterministic):
+    return (torch.empty_like(value, memory_format=torch.contiguous_format),
+            torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
+            torch.empty_like(attention_weights, memory_format=torch.contiguous_format))
+
+
+def _msda_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _msda_autograd_backward(ctx, grad_output):
+    value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
+    grad_value, grad_locations, grad_weights = _msda_backward_op(
+        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+        torch.are_deterministic_algorithms_enabled())
+    return grad_value, None, None, grad_locations, grad_weights
+
+
+_msda_forward_op.register_autograd(_msda_autograd_backward, setup_context=_msda_setup_context)
+
+
+@torch.library.custom_op(f"{_LIBRARY}::fused_msda_forward", mutates_args=())
+def _fused_msda_forward_op(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
+                           reference_points: torch.Tensor, sampling_offsets: torch.Tensor,
+                           attention_logits: torch.Tensor) -> torch.Tensor:
+    return triton_launch.msda_forward(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
+                                      reference_points=reference_points)
+
+
+@_fused_msda_forward_op.register_fake
+def _(value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits):
+    batch, _, num_heads, head_dim = value.shape
+    return value.new_empty((batch, sampling_offsets.shape[1], num_heads * head_dim))
+
+
+@torch.library.custom_op(f"{_LIBRARY}::fused_msda_backward", mutates_args=())
+def _fused_msda_backward_op(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: torch.Tensor,
+                            level_start_index: torch.Tensor, reference_points: torch.Tensor,
+                            sampling_offsets: torch.Tensor, attention_logits: torch.Tensor, deterministic: bool
+                            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_value, grad_offsets, grad_logits, grad_reference = triton_launch.msda_backward(
+        grad_output, value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
+        reference_points=reference_points, deterministic=deterministic)
+    return grad_value, grad_reference, grad_offsets, grad_logits
+
+
+@_fused_msda_backward_op.register_fake
+def _(grad_output, value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits,
+      deterministic):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
+                 for t in (value, reference_points, sampling_offsets, attention_logits))
+
+
+def _fused_autograd_backward(ctx, grad_output):
+    value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits = ctx.saved_tensors
+    grad_value, grad_reference, grad_offsets, grad_logits = _fused_msda_backward_op(
+        grad_output, value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits,
+        torch.are_deterministic_algorithms_enabled())
+    return grad_value, None, None, grad_reference, grad_offsets, grad_logits
+
+
+_fused_msda_forward_op.register_autograd(_fused_autograd_backward, setup_context=_msda_setup_context)
+
+
+def multi_scale_deformable_attn_triton(value: torch.Tensor, spatial_shapes: torch.Tensor,
+                                       level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
+                                       attention_weights: torch.Tensor) -> torch.Tensor:
+    """Triton MSDA on validated inputs (see :func:`deform_plugin.ops.multi_scale_deformable_attn` for shapes).
+
+    Differentiable in value, sampling_locations and attention_weights; deterministic backward under
+    ``torch.use_deterministic_algorithms(True)``. Returns ``(B, Q, H*D)`` in value's dtype.
+    """
+    return _msda_forward_op(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def fused_multi_scale_deformable_attn_triton(value: torch.Tensor, spatial_shapes: torch.Tensor,
+                                             level_start_index: torch.Tensor, reference_points: torch.Tensor,
+                                             sampling_offsets: torch.Tensor,
+                                             attention_logits: torch.Tensor) -> torch.Tensor:
+    """Triton MSDA from raw predictions: softmax over L*P of ``attention_logits`` and mmcv's location arithmetic
+    (``reference_points`` ``(B, Q, L, 2)`` points or ``(B, Q, L, 4)`` boxes plus ``sampling_offsets``) run inside the
+    kernels. Differentiable in value, reference_points, sampling_offsets and attention_logits."""
+    return _fused_msda_forward_op(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                                  attention_logits)

@@ -1,0 +1,178 @@
+"""The PyTorch reference op (the specification) against an independent float64 computation, and its input checks."""
+import math
+
+import pytest
+import torch
+
+from deform_plugin.ops import multi_scale_deformable_attn, multi_scale_deformable_attn_reference
+from deform_plugin.ops.backend import default_backend, resolve_backend
+
+
+def level_tables(shapes):
+    spatial_shapes = torch.tensor(shapes, dtype=torch.long)
+    sizes = spatial_shapes[:, 0] * spatial_shapes[:, 1]
+    level_start_index = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    return spatial_shapes, level_start_index, int(sizes.sum())
+
+
+def make_inputs(shapes, batch=2, queries=5, heads=3, head_dim=4, points=2, dtype=torch.float64, seed=0,
+                low=-0.15, high=1.15):
+    generator = torch.Generator().manual_seed(seed)
+    spatial_shapes, level_start_index, num_keys = level_tables(shapes)
+    levels = len(shapes)
+    value = torch.randn(batch, num_keys, heads, head_dim, generator=generator, dtype=dtype)
+    locations = torch.rand(batch, queries, heads, levels, points, 2, generator=generator, dtype=dtype)
+    locations = low + (high - low) * locations
+    weights = torch.rand(batch, queries, heads, levels, points, generator=generator, dtype=dtype)
+    return value, spatial_shapes, level_start_index, locations, weights
+
+
+def naive_msda(value, spatial_shapes, level_start_index, locations, weights):
+    """Scalar loops over every sample and corner: slow, obviously right, independent of the reference's tensors."""
+    batch, _, heads, head_dim = value.shape
+    _, queries, _, levels, points, _ = locations.shape
+    out = torch.zeros(batch, queries, heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        for q in range(queries):
+            for h in range(heads):
+                for lvl in range(levels):
+                    height, width = spatial_shapes[lvl].tolist()
+                    start = int(level_start_index[lvl])
+                    for p in range(points):
+                        x, y = locations[b, q, h, lvl, p].tolist()
+                        if not (math.isfinite(x) and math.isfinite(y)):
+                            continue
+                        px, py = x * width - 0.5, y * height - 0.5
+                        x0, y0 = math.floor(px), math.floor(py)
+                        for cy, wy in ((y0, 1 - (py - y0)), (y0 + 1, py - y0)):
+                            for cx, wx in ((x0, 1 - (px - x0)), (x0 + 1, px - x0)):
+                                if 0 <= cx < width and 0 <= cy < height:
+                                    row = value[b, start + cy * width + cx, h].double()
+                                    out[b, q, h] += weights[b, q, h, lvl, p].double() * wx * wy * row
+    return out.reshape(batch, queries, heads * head_dim)
+
+
+SHAPES = {
+    "L1-1x1": [[1, 1]],
+    "L1-1xW": [[1, 7]],
+    "L1-Hx1": [[5, 1]],
+    "L3-odd": [[7, 5], [3, 4], [2, 3]],
+    "L5": [[9, 11], [5, 6], [3, 3], [2, 2], [1, 1]],
+}
+
+
+@pytest.mark.parametrize("shapes", SHAPES.values(), ids=SHAPES.keys())
+def test_forward_matches_naive_float64(shapes):
+    inputs = make_inputs(shapes)
+    expected = naive_msda(*inputs)
+    got = multi_scale_deformable_attn_reference(*inputs)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shapes", [SHAPES["L3-odd"], SHAPES["L1-1xW"]], ids=["L3-odd", "L1-1xW"])
+def test_gradients_match_finite_differences(shapes):
+    value, spatial_shapes, level_start_index, locations, weights = make_inputs(shapes, batch=1, queries=3, heads=2,
+                                                                               head_dim=3)
+    # Keep points >= 0.1 px from integer pixel coordinates: the bilinear gradient jumps there.
+    for level, (height, width) in enumerate(spatial_shapes.tolist()):
+        for axis, size in ((0, width), (1, height)):
+            pixel = locations[:, :, :, level, :, axis] * size - 0.5
+            frac = pixel - pixel.floor()
+            pixel = pixel.floor() + frac.clamp(0.1, 0.9)
+            locations[:, :, :, level, :, axis] = (pixel + 0.5) / size
+    tensors = [t.clone().requires_grad_() for t in (value, locations, weights)]
+
+    def fn(v, loc, w):
+        return multi_scale_deformable_attn_reference(v, spatial_shapes, level_start_index, loc, w)
+
+    assert torch.autograd.gradcheck(fn, tensors, eps=1e-7, atol=1e-6)
+
+
+def test_nan_inf_and_outside_locations_contribute_zero():
+    value, spatial_shapes, level_start_index, locations, weights = make_inputs(SHAPES["L3-odd"], queries=6)
+    locations[0, 0, 0, 0, 0, 0] = float("nan")
+    locations[0, 1, 1, 1, 1, 1] = float("inf")
+    locations[1, 2, 2, 2, 0, 0] = -float("inf")
+    locations[1, 3, 0, 0, 1] = 1e30
+    locations[1, 4, 1, 1, 0] = torch.tensor([-0.6, 1.7], dtype=torch.float64)  # wholly outside its level
+    bad = ~torch.isfinite(locations).all(-1) | (locations.abs() > 1.5).any(-1)
+    assert bad.sum() == 5
+    tensors = [t.clone().requires_grad_() for t in (value, locations, weights)]
+    out = multi_scale_deformable_attn_reference(tensors[0], spatial_shapes, level_start_index, *tensors[1:])
+    assert torch.isfinite(out).all()
+    # The same call with those samples' weights set to zero must give the same output.
+    zeroed = weights.masked_fill(bad, 0.0)
+    expected = multi_scale_deformable_attn_reference(value, spatial_shapes, level_start_index,
+                                                     torch.where(bad[..., None], 0.5, locations), zeroed)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), tensors)
+    for grad in grads:
+        assert torch.isfinite(grad).all()
+    assert (grads[1][bad] == 0).all() and (grads[2][bad] == 0).all()
+
+
+def test_half_precision_computes_in_float32():
+    inputs64 = make_inputs(SHAPES["L3-odd"], head_dim=8)
+    value, spatial_shapes, level_start_index, locations, weights = inputs64
+    for dtype in (torch.float16, torch.bfloat16):
+        rounded = [t.to(dtype) for t in (value, locations, weights)]
+        out = multi_scale_deformable_attn_reference(rounded[0], spatial_shapes, level_start_index, *rounded[1:])
+        assert out.dtype == dtype
+        exact = naive_msda(rounded[0].double(), spatial_shapes, level_start_index, rounded[1].double(),
+                           rounded[2].double())
+        # fp32 math: the only error left is the final rounding to the storage dtype.
+        rounding = (exact.to(dtype).double() - exact).abs().max()
+        assert (out.double() - exact).abs().max() <= 2 * rounding + 1e-6
+
+
+@pytest.mark.parametrize("batch,queries", [(0, 4), (2, 0)], ids=["B0", "Q0"])
+def test_empty_batch_or_queries(batch, queries):
+    inputs = make_inputs(SHAPES["L3-odd"], batch=batch, queries=queries)
+    out = multi_scale_deformable_attn(*inputs, backend="pytorch")
+    assert out.shape == (batch, queries, 3 * 4)
+
+
+def test_public_op_uses_reference_on_cpu_by_default():
+    inputs = make_inputs(SHAPES["L3-odd"])
+    with default_backend("auto"):
+        torch.testing.assert_close(multi_scale_deformable_attn(*inputs), naive_msda(*inputs))
+
+
+BAD_CALLS = {
+    "value-length": (lambda v, s, i, l, w: (v[:, :-1], s, i, l, w), r"cover 53 keys but value has 52"),
+    "levels": (lambda v, s, i, l, w: (v, s[:2], i[:2], l, w), r"spatial_shapes has 2 levels but sampling_locations has 3"),
+    "heads": (lambda v, s, i, l, w: (v[:, :, :2], s, i, l, w), r"sampling_locations has 3 heads but value has 2"),
+    "points": (lambda v, s, i, l, w: (v, s, i, l, w[..., :1]), r"attention_weights has shape .* implies"),
+    "last-dim": (lambda v, s, i, l, w: (v, s, i, l[..., :1], w), r"last dim 1"),
+    "batch": (lambda v, s, i, l, w: (v[:1], s, i, l, w), r"sampling_locations has batch 2 but value has batch 1"),
+    "start-index": (lambda v, s, i, l, w: (v, s, i + 1, l, w), r"level_start_index\[0\] = 1"),
+    "value-rank": (lambda v, s, i, l, w: (v.flatten(2), s, i, l, w), r"value must be \(batch, num_keys"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS.values(), ids=BAD_CALLS.keys())
+def test_bad_shapes_raise_value_error_naming_values(case):
+    mutate, message = case
+    inputs = make_inputs(SHAPES["L3-odd"])
+    with pytest.raises(ValueError, match=message):
+        multi_scale_deformable_attn(*mutate(*inputs), backend="pytorch")
+
+
+def test_bad_dtypes_and_backends_raise():
+    value, spatial_shapes, level_start_index, locations, weights = make_inputs(SHAPES["L3-odd"])
+    with pytest.raises(TypeError, match="value must be a floating tensor"):
+        multi_scale_deformable_attn(value.long(), spatial_shapes, level_start_index, locations, weights)
+    with pytest.raises(TypeError, match="spatial_shapes must be an integer tensor"):
+        multi_scale_deformable_attn(value, spatial_shapes.float(), level_start_index, locations, weights)
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locations, weights, backend="cuda")
+    with pytest.raises(RuntimeError, match="backend='mmcv'"):
+        multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locations, weights, backend="mmcv")
+
+
+def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="need a CUDA device"):
+        resolve_backend("triton", torch.device("cpu"))
+    assert resolve_backend("auto", torch.device("cpu")) == "pytorch"
