@@ -23,13 +23,12 @@ def _install_openmmlab_integration() -> None:
         return
     from .integration.mmcv_ext import install_mmcv_ext_standin
     install_mmcv_ext_standin()
-    if importlib.util.find_spec("deform_plugin.integration.checkpoint"):  # TEMP until written
-        from .integration import checkpoint
-        checkpoint.install()
+    from .integration import checkpoint
+    checkpoint.install()
     from . import models  # noqa: F401  (registers the module)
     from .integration.mmdet_swap import install_msda_swap
     install_msda_swap()
-    if importlib.util.find_spec("mmdet") is not None and importlib.util.find_spec("deform_plugin.datasets"):  # TEMP
+    if importlib.util.find_spec("mmdet") is not None:
         from . import datasets  # noqa: F401  (registers the embedded dataset)
 
 

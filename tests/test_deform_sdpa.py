@@ -42,7 +42,7 @@ def shape_id(batch, views, samples, heads, head_dim, width, height):
 # (batch, views, samples, heads, head_dim, width, height). Tiny shapes keep interpreter programs few (B*V*H*N).
 TINY_SHAPES = [
     (1, 2, 3, 1, 16, 3, 2),  # the basic case
-    (2, 1, 17, 1, 16, 2, 2),  # 17 samples: two key blocks, so the online softmax rescales
+    (2, 1, 17, 1, 32, 2, 2),  # 17 samples: two key blocks at head_dim 32, so the online softmax rescales
     (1, 2, 2, 2, 20, 1, 3),  # head_dim 20 padded to 32; a 1-pixel-wide view
     (1, 3, 2, 1, 24, 5, 1),  # 3 views, head_dim 24, odd width
 ]
@@ -117,6 +117,13 @@ def assert_close_to_float64(inputs, width, height, dtype, seed=1):
         tolerance = max(TOLERANCE[dtype], 2 * relative_error(same_dtype, want))
         error = relative_error(got, want)
         assert error <= tolerance, f"{name}: relative error {error:.3g} > {tolerance:.3g}"
+
+
+def test_tiny_shapes_cover_several_key_blocks():
+    from deform_plugin.ops.deform_sdpa.triton_kernels import heuristic_block_t
+
+    assert any(heuristic_block_t(views * samples, max(16, head_dim)) < views * samples
+               for _, views, samples, _, head_dim, _, _ in TINY_SHAPES)
 
 
 @needs_triton
@@ -227,6 +234,17 @@ def test_coords_without_grad_and_custom_op_registration():
             0.25)
     torch.library.opcheck(deform_sdpa_forward_op, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_autotuned_kernels_match_reference(dtype, monkeypatch):
+    from deform_plugin.ops.deform_sdpa.triton_kernels import AUTOTUNE_ENV
+
+    monkeypatch.setenv(AUTOTUNE_ENV, "1")
+    shape = (1, 3, 5, 2, 32, 6, 5)
+    q, k, v, coords = make_inputs(shape, dtype)
+    assert_close_to_float64((q, k, v, coords), shape[5], shape[6], dtype)
 
 
 @needs_cuda
@@ -401,3 +419,18 @@ def test_attention_module_triton_matches_pytorch():
         attention.backend = backend
         outputs.append(attention(query, (7, 9)))
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-4, atol=1e-5)
+
+
+@needs_triton
+def test_head_dim_beyond_the_kernels():
+    q, k, v, coords = make_inputs((1, 1, 2, 1, 264, 2, 1), torch.float32)
+    with pytest.raises(ValueError, match="head_dim 264 exceeds 256"):
+        deform_sdpa(q, k, v, coords, 2, 1, backend="triton")
+
+
+@needs_cuda
+def test_auto_falls_back_to_reference_with_a_warning_beyond_the_kernels():
+    q, k, v, coords = make_inputs((1, 1, 2, 1, 264, 2, 1), torch.float32)
+    with pytest.warns(UserWarning, match="runs the PyTorch reference instead of Triton: head_dim 264"):
+        out = deform_sdpa(q, k, v, coords, 2, 1, backend="auto")
+    torch.testing.assert_close(out, deform_sdpa_reference(q, k, v, coords, 2, 1))

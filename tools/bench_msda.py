@@ -124,9 +124,11 @@ def make_inputs(case: Case, dtype: torch.dtype, dist: str, seed: int = 0, device
 def stock_mmcv_op() -> Optional[Callable]:
     try:
         from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
-        import mmcv._ext  # noqa: F401  (mmcv-lite has no compiled ops)
+        import mmcv._ext as ext  # mmcv-lite has no compiled ops
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
+    if getattr(ext, "__deform_plugin_standin__", False):
+        return None  # deform_plugin's PyTorch stand-in for mmcv-lite, not the stock CUDA kernel
 
     def stock(value, shapes, starts, locations, weights):
         return MultiScaleDeformableAttnFunction.apply(value, shapes, starts, locations, weights,
@@ -172,7 +174,7 @@ def dram_bytes(case: Case, dtype: torch.dtype) -> Tuple[int, int]:
 @triton.jit
 def _gather_rows_kernel(table_ptr, rows_ptr, out_ptr, num_rows, row_dim,
                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Plain gather: sum groups of 4 rows (one sample's corners) and write one row per group.
+    # Plain gather: BLOCK_R rows summed into one row per program (almost nothing written back).
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
@@ -180,23 +182,18 @@ def _gather_rows_kernel(table_ptr, rows_ptr, out_ptr, num_rows, row_dim,
     row = tl.load(rows_ptr + r, mask=mask, other=0).to(tl.int64)
     vals = tl.load(table_ptr + row[:, None] * row_dim + d[None, :], mask=mask[:, None] & (d < row_dim)[None, :],
                    other=0.0).to(tl.float32)
-    summed = tl.sum(tl.reshape(vals, (BLOCK_R // 4, 4, BLOCK_D)), axis=1)
-    g = pid * (BLOCK_R // 4) + tl.arange(0, BLOCK_R // 4)
-    tl.store(out_ptr + g[:, None] * row_dim + d[None, :], summed, mask=(g < num_rows // 4)[:, None]
-             & (d < row_dim)[None, :])
+    tl.store(out_ptr + pid * row_dim + d, tl.sum(vals, axis=0), mask=d < row_dim)
 
 
 @triton.jit
-def _scatter_rows_kernel(table_ptr, rows_ptr, src_ptr, num_rows, row_dim,
-                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    # Plain atomic scatter of a [BLOCK_R, D] float32 tile: what the backward's grad_value accumulation must do.
+def _scatter_rows_kernel(table_ptr, rows_ptr, num_rows, row_dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Plain atomic scatter of a [BLOCK_R, D] float32 tile made in registers: the backward's grad_value traffic.
     pid = tl.program_id(0).to(tl.int64)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mask = r < num_rows
     row = tl.load(rows_ptr + r, mask=mask, other=0).to(tl.int64)
-    src = tl.load(src_ptr + (r // 4)[:, None] * row_dim + d[None, :], mask=mask[:, None] & (d < row_dim)[None, :],
-                  other=0.0)
+    src = (r % 7).to(tl.float32)[:, None] * 0.25 + d[None, :].to(tl.float32)
     tl.atomic_add(table_ptr + row[:, None] * row_dim + d[None, :], src, mask=mask[:, None] & (d < row_dim)[None, :],
                   sem="relaxed")
 
@@ -227,16 +224,16 @@ def gather_scatter_floor(case: Case, dtype: torch.dtype, shapes, starts, locatio
     rows = corner_rows(case, shapes, starts, locations)
     num_rows = rows.numel()
     table = torch.randn(case.batch * case.num_keys * case.heads, case.head_dim, device="cuda").to(dtype)
-    gathered = torch.empty(num_rows // 4, case.head_dim, device="cuda")
     block_d = triton.next_power_of_2(case.head_dim)
     grid = (triton.cdiv(num_rows, 256),)
+    gathered = torch.empty(grid[0], case.head_dim, device="cuda")
     gather_ms = triton.testing.do_bench(
         lambda: _gather_rows_kernel[grid](table, rows, gathered, num_rows, case.head_dim, BLOCK_R=256,
                                           BLOCK_D=block_d), return_mode="median")
     grad_table = torch.zeros(table.shape, device="cuda", dtype=torch.float32)
     grid = (triton.cdiv(num_rows, 128),)
     scatter_ms = triton.testing.do_bench(
-        lambda: _scatter_rows_kernel[grid](grad_table, rows, gathered, num_rows, case.head_dim, BLOCK_R=128,
+        lambda: _scatter_rows_kernel[grid](grad_table, rows, num_rows, case.head_dim, BLOCK_R=128,
                                            BLOCK_D=block_d), return_mode="median")
     return gather_ms, scatter_ms
 
@@ -324,7 +321,7 @@ def machine_line() -> str:
 # Tuning sweep
 # ----------------------------------------------------------------------------------------------------------------
 def tune(case_names, dtype_names, dists) -> None:
-    configs = [(16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8)]
+    configs = [(16, 2, 1), (32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1), (128, 4, 1)]
     for name in case_names:
         case = CASES[name]
         for dtype_name in dtype_names:
@@ -334,14 +331,15 @@ def tune(case_names, dtype_names, dists) -> None:
                 out = multi_scale_deformable_attn_triton(value, shapes, starts, locations, weights)
                 grad_output = torch.randn_like(out)
                 line = [f"{name} {dtype_name} {dist}:"]
-                for block_q, warps in configs:
-                    config = triton_launch.LaunchConfig(block_q, triton.next_power_of_2(case.head_dim), warps)
+                for block_q, warps, stages in configs:
+                    config = triton_launch.LaunchConfig(block_q, triton.next_power_of_2(case.head_dim), warps,
+                                                        num_stages=stages)
                     fwd = triton.testing.do_bench(lambda: triton_launch.msda_forward(
                         value, shapes, starts, locations, weights, config=config), return_mode="median")
                     bwd = triton.testing.do_bench(lambda: triton_launch.msda_backward(
                         grad_output, value, shapes, starts, locations, weights, config=config),
                         return_mode="median")
-                    line.append(f"bq{block_q}w{warps} fwd {fwd:.3f} bwd {bwd:.3f}")
+                    line.append(f"bq{block_q}w{warps}s{stages} fwd {fwd:.3f} bwd {bwd:.3f}")
                 print(" | ".join(line), flush=True)
 
 
@@ -413,8 +411,10 @@ def main(argv=None) -> int:
                 inputs = make_inputs(case, dtype, dist)
                 errors = check_against_float64(multi_scale_deformable_attn_triton, inputs)
                 limit = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 3e-2}[dtype_name]
+                # Location grads jump at pixel edges: even the fp32 PyTorch reference is off by up to 3.5e-3.
+                loc_limit = {"fp32": 5e-3, "fp16": 2e-2, "bf16": 6e-2}[dtype_name]
                 passed = all(errors[k] <= limit for k in ("out", "grad_value", "grad_weight")) and \
-                    errors["grad_loc"] <= 10 * limit and errors["out"] <= max(2 * errors["rounding"], 1e-5)
+                    errors["grad_loc"] <= loc_limit and errors["out"] <= max(2 * errors["rounding"], 1e-5)
                 ok &= passed
                 print(f"check {name} {dtype_name} {dist}: " + " ".join(f"{k} {v:.2e}" for k, v in errors.items())
                       + ("" if passed else "  FAILED"), flush=True)
@@ -445,6 +445,8 @@ def main(argv=None) -> int:
                     row["fwd_dram_fraction"] = floor_fwd / row["fwd_ms"]
                     row["fwd+bwd_dram_fraction"] = floor_total / row["fwd+bwd_ms"]
                     rows.append(row)
+                    print(f"  {impl:<10} fwd {row['fwd_ms']:.3f} bwd {row['bwd_ms']:.3f} f+b {row['fwd+bwd_ms']:.3f} "
+                          f"ms, {memory:.0f} MB, floors gather {gather_ms:.3f} scatter {scatter_ms:.3f}", flush=True)
                 del inputs
                 torch.cuda.empty_cache()
 

@@ -25,7 +25,7 @@ The first row is the baseline of the speedup columns. Examples::
 
 Each timed training step is mmengine's ``model.train_step`` (data preprocessor, forward, loss, backward, clip,
 optimizer step, zero_grad) on one fixed synthetic batch, bracketed by device synchronisation. ``--profile`` adds a
-torch.profiler breakdown per row (see ``tools/profile.py``).
+torch.profiler breakdown per row (see ``tools/profile_step.py``).
 """
 from __future__ import annotations
 
@@ -168,6 +168,22 @@ def load_config(path: str, cfg_options: Optional[dict], plugin: bool):
     from mmdet.utils import register_all_modules
     register_all_modules(init_default_scope=True)
     return cfg
+
+
+def drop_pretrained_init(node) -> int:
+    """Remove ``init_cfg=dict(type='Pretrained', ...)`` entries (no downloads; random init is as fast to time)."""
+    removed = 0
+    if isinstance(node, dict):
+        init_cfg = node.get("init_cfg")
+        if isinstance(init_cfg, dict) and init_cfg.get("type") == "Pretrained":
+            node["init_cfg"] = None
+            removed += 1
+        for value in node.values():
+            removed += drop_pretrained_init(value)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            removed += drop_pretrained_init(value)
+    return removed
 
 
 def resolve_fast_paths(cfg, row: Row) -> Dict[str, bool]:
@@ -375,6 +391,8 @@ def time_inference(model, batch1, device, mode: str, warmup: int, steps: int, sh
 # ---------------------------------------------------------------------------------------------------------------------
 
 RANGE_PREFIX = "deform_plugin::"
+# Work launched inside these profile-only ranges is charged to the component, whatever the kernel's name.
+RANGE_COMPONENT = {"matching": "matching", "optimizer": "optimizer", "msda": "MSDA"}
 _CONV = re.compile(r"conv|cudnn|fprop|dgrad|wgrad|winograd|implicit_convolve|implicit_gemm|nhwc|nchw", re.I)
 _GEMM = re.compile(r"gemm|gemv|cutlass|cublas|matmul|xmma|nvjet|sgemm|hgemm|splitk|aten::mm\b|aten::addmm|aten::bmm|"
                    r"aten::baddbmm|aten::_scaled_dot|flash|fmha|attention", re.I)
@@ -415,6 +433,10 @@ def profiling_ranges(model, optim_wrapper):
 
     patched = [wrap(optim_wrapper, "step", "optimizer"), wrap(optim_wrapper, "zero_grad", "optimizer"),
                wrap(optim_wrapper, "backward", "backward")]
+    msda_module = sys.modules.get("deform_plugin.models.msda")
+    if msda_module is not None and hasattr(msda_module, "fused_multi_scale_deformable_attn"):
+        # Module globals are looked up at call time, so this catches every call of our MSDA op's forward.
+        patched.append(wrap(msda_module, "fused_multi_scale_deformable_attn", "msda"))
     try:
         from mmdet.models.task_modules.assigners.base_assigner import BaseAssigner
         seen = set()
@@ -448,7 +470,7 @@ def analyse_profile(events, steps: int, device: torch.device, msda_pattern: re.P
     window = (min(s for s, _ in step_ranges), max(e for _, e in step_ranges)) if step_ranges else None
 
     def enclosing_range(t_us: float) -> Optional[str]:
-        for name in ("matching", "optimizer"):
+        for name in ("matching", "optimizer", "msda"):
             for start, end in ranges.get(name, ()):
                 if start <= t_us <= end:
                     return name
@@ -474,7 +496,7 @@ def analyse_profile(events, steps: int, device: torch.device, msda_pattern: re.P
             intervals.append((start, end))
             launched = launch_time.get(e.linked_correlation_id) or launch_time.get(e.id)
             component = enclosing_range(launched) if launched is not None else None
-            per_component[component or classify_name(e.name, msda_pattern)] += end - start
+            per_component[RANGE_COMPONENT.get(component) or classify_name(e.name, msda_pattern)] += end - start
         intervals.sort()
         cursor = -math.inf
         for start, end in intervals:
@@ -487,7 +509,8 @@ def analyse_profile(events, steps: int, device: torch.device, msda_pattern: re.P
             if e.name.startswith(RANGE_PREFIX) or e.name.startswith("ProfilerStep"):
                 continue
             component = enclosing_range(e.time_range.start)
-            per_component[component or classify_name(e.name, msda_pattern)] += e.self_cpu_time_total
+            per_component[RANGE_COMPONENT.get(component) or classify_name(e.name, msda_pattern)] += \
+                e.self_cpu_time_total
             kernel_count += 1
         busy_us = sum(per_component.values())
         time_kind = "CPU"
@@ -584,8 +607,13 @@ def run_row_in_process(config_path: str, row: Row, args) -> dict:
         set_default_backend(row.backend)
     from mmdet.registry import MODELS
     from mmengine.optim import build_optim_wrapper
+    drop_pretrained_init(cfg.model)
     torch.manual_seed(args.seed)
-    model = MODELS.build(cfg.model).to(device)
+    model = MODELS.build(cfg.model)
+    # Modules such as DeformableDETR.level_embed are torch.empty until init_weights(): without it every row would
+    # start from different (possibly non-finite) garbage.
+    model.init_weights()
+    model.to(device)
     result["fast_path_sites"] = {}
     if plugin and any(switches.values()):
         from deform_plugin.integration.fast_paths import apply_fast_paths
@@ -806,7 +834,8 @@ def write_outputs(results: List[dict], info: dict, args, table: str) -> Dict[str
             writer.writerow(csv_row(r))
     with open(paths["table"], "w") as f:
         f.write(table + "\n")
-    chart = plot_profiles(results, os.path.join(args.out_dir, f"{args.name}_profile.png"))
+    stem = args.name if args.name.endswith("profile") else f"{args.name}_profile"
+    chart = plot_profiles(results, os.path.join(args.out_dir, f"{stem}.png"))
     if chart:
         paths["png"] = chart
     return paths

@@ -70,6 +70,8 @@ def ensure_shapes_dataset(root: Union[str, Path, None] = None) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
+        # mkdtemp makes the folder private (0700); the cache may be shared, so open it up like any other folder.
+        os.chmod(staging, 0o755)
         generate_shapes_dataset(staging)
         try:
             os.rename(staging, final)

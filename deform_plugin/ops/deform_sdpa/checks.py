@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TRITON_MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,14 @@ def check_deform_sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"q, k, v and coords must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}, coords {coords.device}")
     return DeformSDPAShape(batch, num_views, num_heads, num_pixels, head_dim, num_samples, width, height)
+
+
+def triton_unsupported_reasons(q: torch.Tensor, coords: torch.Tensor) -> list:
+    """Every reason the Triton kernels cannot run these (already validated) inputs; empty when they can."""
+    reasons = []
+    if q.dtype not in TRITON_DTYPES:
+        reasons.append(f"q, k, v are {q.dtype} but the Triton kernels take float16, bfloat16 or float32 "
+                       "(use backend='pytorch' for float64)")
+    if q.shape[-1] > TRITON_MAX_HEAD_DIM:
+        reasons.append(f"head_dim {q.shape[-1]} exceeds {TRITON_MAX_HEAD_DIM}, the largest the kernels tile")
+    return reasons

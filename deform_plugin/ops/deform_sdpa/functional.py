@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import math
+import warnings
 from numbers import Real
 from typing import Optional
 
 import torch
 
 from ..backend import get_default_backend, resolve_backend
-from .checks import check_deform_sdpa_inputs
+from .checks import check_deform_sdpa_inputs, triton_unsupported_reasons
 from .reference import deform_sdpa_reference
 
 
@@ -32,9 +33,9 @@ def deform_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch
         height: height of every view's map.
         sm_scale: score scale; default ``1 / sqrt(D)``.
         backend: ``'auto'``, ``'triton'``, ``'pytorch'`` or None for the process default (see
-            :mod:`deform_plugin.ops.backend`). ``'auto'`` runs Triton on CUDA (the PyTorch reference for float64)
-            and the reference elsewhere. A process default of ``'mmcv'`` (an MSDA-only backend) counts as
-            ``'auto'`` here; an explicit ``backend='mmcv'`` is an error.
+            :mod:`deform_plugin.ops.backend`). ``'auto'`` runs Triton on CUDA (the PyTorch reference for float64,
+            and, with a warning, for head_dim > 256) and the reference elsewhere. A process default of ``'mmcv'``
+            (an MSDA-only backend) counts as ``'auto'`` here; an explicit ``backend='mmcv'`` is an error.
 
     Returns:
         ``(B, V, H, N, D)`` in the dtype of q.
@@ -42,7 +43,8 @@ def deform_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch
     Raises:
         TypeError: non-tensor inputs, non-floating dtypes, q/k/v dtypes that differ, or dtypes the chosen
             backend cannot run (Triton: float16, bfloat16, float32).
-        ValueError: inconsistent shapes, mixed devices, ``backend='mmcv'``.
+        ValueError: inconsistent shapes, mixed devices, ``backend='mmcv'``, head_dim > 256 on
+            ``backend='triton'``.
 
     Example:
         >>> B, V, S, H, D, W, Hh = 2, 3, 4, 2, 16, 5, 4
@@ -66,9 +68,13 @@ def deform_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch
         requested = "auto"
     automatic = requested == "auto" or (requested is None and get_default_backend() == "auto")
     name = resolve_backend(requested, q.device)
-    if name == "triton" and automatic and q.dtype == torch.float64:
-        # The kernels compute in float32; float64 inputs ask for the float64 reference.
-        name = "pytorch"
+    if name == "triton" and automatic:
+        reasons = triton_unsupported_reasons(q, coords)
+        if reasons:
+            # float64 asks for the float64 reference on purpose; anything else is worth one warning.
+            if q.dtype != torch.float64:
+                warnings.warn("deform_sdpa runs the PyTorch reference instead of Triton: " + "; ".join(reasons))
+            name = "pytorch"
 
     if shape.is_empty:
         return _empty_result(q, k, v, coords)

@@ -1,8 +1,9 @@
 """Triton kernels of deformable scaled dot-product attention: bilinear sampling fused into a flash-style softmax.
 
-One program handles one query: (batch, view, head, pixel). It walks the ``num_views * num_samples`` sampling points
-of that query in blocks of ``BLOCK_T``, gathers the four bilinear corners of the keys and values straight from the
-input maps, and keeps an online softmax, so the sampled keys and values never reach global memory. The backward
+One program handles one query: (batch, view, head, pixel), pixels fastest. It walks the query's
+``num_views * num_samples`` sampling points in blocks of ``BLOCK_T``, gathers the four bilinear corners of the keys
+and values straight from the input maps, and keeps an online softmax, so the sampled keys and values never reach
+global memory. The backward
 recomputes the probabilities from the saved base-2 log-sum-exp and scatters key/value gradients to the four
 corners with atomics. All arithmetic is float32 whatever the storage dtype; all addressing is int64.
 
@@ -10,25 +11,42 @@ Tensor arguments are contiguous; their shapes are commented at each pointer.
 """
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from ..backend import triton_interpreter_enabled
 
+AUTOTUNE_ENV = "DEFORM_PLUGIN_SDPA_AUTOTUNE"
 
-def _forward_configs():
-    if triton_interpreter_enabled():
-        # The interpreter would "benchmark" every config at ~ms per program: one config keeps tests fast.
-        return [triton.Config({"BLOCK_T": 16}, num_warps=1)]
+
+def autotune_enabled() -> bool:
+    """Autotuning is opt-in (``DEFORM_PLUGIN_SDPA_AUTOTUNE=1``): it compiles ~9 configs per new (V*S, head_dim,
+    dtype), tens of seconds, which tests and short jobs should not pay. Never under the interpreter."""
+    return os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0") and not triton_interpreter_enabled()
+
+
+def heuristic_block_t(num_keys: int, block_d: int) -> int:
+    """Samples per block: about 4 tile elements per thread at 4 warps (ptxas for sm_90: 56-87 registers forward,
+    71-156 backward at head_dim 32-128, no spills); at most the key count rounded up to a power of two."""
+    return max(2, min(512 // block_d, triton.next_power_of_2(num_keys)))
+
+
+HEURISTIC_NUM_WARPS = 4
+
+
+def _tuning_configs():
     return [triton.Config({"BLOCK_T": block_t}, num_warps=warps)
-            for block_t in (16, 32, 64) for warps in (2, 4)]
+            for block_t in (4, 8, 16, 32, 64) for warps in (2, 4, 8)]
 
 
-def _backward_configs():
-    if triton_interpreter_enabled():
-        return [triton.Config({"BLOCK_T": 16}, num_warps=1)]
-    return [triton.Config({"BLOCK_T": block_t}, num_warps=warps)
-            for block_t in (16, 32, 64) for warps in (2, 4, 8)]
+def _keep_moderate_tiles(configs, named_args, **kwargs):
+    # 2 to 8 tile elements per thread: fewer starves the loads, more spills registers (see heuristic_block_t).
+    block_d = {**named_args, **kwargs}["BLOCK_D"]
+    kept = [config for config in configs
+            if 2 <= config.kwargs["BLOCK_T"] * block_d / (32 * config.num_warps) <= 8]
+    return kept or configs[:1]
 
 
 @triton.jit
@@ -79,7 +97,6 @@ def _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, step_x: tl.c
     return weight, tl.sum(key * q[None, :], 1), value
 
 
-@triton.autotune(configs=_forward_configs(), key=["NUM_KEYS", "head_dim"])
 @triton.jit
 def deform_sdpa_forward_kernel(
     q_ptr,  # (B, V, H, N, D)
@@ -92,14 +109,14 @@ def deform_sdpa_forward_kernel(
     num_views, num_heads, num_pixels, num_samples, width, height, head_dim,
     NUM_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    # Heads vary fastest, so programs that share a query's sampling points run side by side and share the cache.
-    head = pid % num_heads
-    query = pid // num_heads  # flat (batch, view, pixel): the row of coords
-    pixel = query % num_pixels
-    batch_view = query // num_pixels
+    # Pixels vary fastest: programs resident together gather from the same (batch, head) maps, which helps L1.
+    row = tl.program_id(0).to(tl.int64)  # flat (batch, view, head, pixel)
+    pixel = row % num_pixels
+    batch_view_head = row // num_pixels
+    head = batch_view_head % num_heads
+    batch_view = batch_view_head // num_heads
     batch = batch_view // num_views
-    row = (batch_view * num_heads + head) * num_pixels + pixel  # flat (batch, view, head, pixel)
+    query = batch_view * num_pixels + pixel  # flat (batch, view, pixel): the row of coords
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
@@ -166,8 +183,6 @@ def _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, step_x: tl.conste
     tl.atomic_add(dv_ptr + offsets, value_grad_scale[:, None] * grad_out[None, :], mask=mask, sem="relaxed")
 
 
-@triton.autotune(configs=_backward_configs(), key=["NUM_KEYS", "head_dim", "COORDS_GRAD"],
-                 reset_to_zero=["dk_ptr", "dv_ptr", "dcoords_ptr"])
 @triton.jit
 def deform_sdpa_backward_kernel(
     q_ptr,  # (B, V, H, N, D)
@@ -185,13 +200,13 @@ def deform_sdpa_backward_kernel(
     num_views, num_heads, num_pixels, num_samples, width, height, head_dim,
     NUM_KEYS: tl.constexpr, COORDS_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    head = pid % num_heads
-    query = pid // num_heads
-    pixel = query % num_pixels
-    batch_view = query // num_pixels
+    row = tl.program_id(0).to(tl.int64)  # flat (batch, view, head, pixel), as in the forward
+    pixel = row % num_pixels
+    batch_view_head = row // num_pixels
+    head = batch_view_head % num_heads
+    batch_view = batch_view_head // num_heads
     batch = batch_view // num_views
-    row = (batch_view * num_heads + head) * num_pixels + pixel
+    query = batch_view * num_pixels + pixel
 
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
@@ -252,3 +267,13 @@ def deform_sdpa_backward_kernel(
                           sem="relaxed")
 
     tl.store(dq_ptr + row * head_dim + offs_d, dq.to(dq_ptr.dtype.element_ty), mask=mask_d)
+
+
+deform_sdpa_forward_kernel_autotuned = triton.autotune(
+    configs=_tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D"],
+    prune_configs_by={"early_config_prune": _keep_moderate_tiles})(deform_sdpa_forward_kernel)
+# The atomically accumulated buffers must be zeroed before each timed trial, or the trials add up.
+deform_sdpa_backward_kernel_autotuned = triton.autotune(
+    configs=_tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D", "COORDS_GRAD"],
+    prune_configs_by={"early_config_prune": _keep_moderate_tiles},
+    reset_to_zero=["dk_ptr", "dv_ptr", "dcoords_ptr"])(deform_sdpa_backward_kernel)

@@ -11,29 +11,23 @@ from typing import Tuple
 import torch
 import triton
 
-from .triton_kernels import deform_sdpa_backward_kernel, deform_sdpa_forward_kernel
-
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-
-
-def triton_unsupported_reasons(q: torch.Tensor, coords: torch.Tensor) -> list:
-    """Every reason the Triton kernels cannot run these inputs (empty when they can)."""
-    reasons = []
-    if q.dtype not in TRITON_DTYPES:
-        reasons.append(f"q, k, v are {q.dtype} but the Triton kernels take float16, bfloat16 or float32 "
-                       "(use backend='pytorch' for float64)")
-    if coords.dtype not in TRITON_DTYPES + (torch.float64,):
-        reasons.append(f"coords are {coords.dtype}, not a floating dtype")
-    if q.shape[-1] > MAX_HEAD_DIM:
-        reasons.append(f"head_dim {q.shape[-1]} exceeds {MAX_HEAD_DIM}, the largest the kernels tile")
-    return reasons
+from .checks import TRITON_DTYPES, triton_unsupported_reasons
+from .triton_kernels import (
+    HEURISTIC_NUM_WARPS,
+    autotune_enabled,
+    deform_sdpa_backward_kernel,
+    deform_sdpa_backward_kernel_autotuned,
+    deform_sdpa_forward_kernel,
+    deform_sdpa_forward_kernel_autotuned,
+    heuristic_block_t,
+)
 
 
 def _check_supported(q: torch.Tensor, coords: torch.Tensor) -> None:
     reasons = triton_unsupported_reasons(q, coords)
     if reasons:
-        raise TypeError("backend='triton' cannot run these inputs: " + "; ".join(reasons))
+        error = TypeError if q.dtype not in TRITON_DTYPES else ValueError
+        raise error("backend='triton' cannot run these inputs: " + "; ".join(reasons))
 
 
 def _on_device(tensor: torch.Tensor):
@@ -48,9 +42,14 @@ def _sizes(q: torch.Tensor, coords: torch.Tensor, width: int, height: int) -> di
                 NUM_KEYS=num_views * num_samples, width=width, height=height, head_dim=head_dim)
 
 
-def _block_d(head_dim: int) -> int:
+def _launch(plain_kernel, autotuned_kernel, grid, *args, **sizes):
     # Block shapes must be powers of two; masks cover the padding (head_dim 24 -> 32, 80 -> 128).
-    return max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, triton.next_power_of_2(sizes["head_dim"]))
+    if autotune_enabled():
+        autotuned_kernel[grid](*args, **sizes, BLOCK_D=block_d)
+    else:
+        plain_kernel[grid](*args, **sizes, BLOCK_D=block_d, BLOCK_T=heuristic_block_t(sizes["NUM_KEYS"], block_d),
+                           num_warps=HEURISTIC_NUM_WARPS)
 
 
 def deform_sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch.Tensor, width: int,
@@ -65,8 +64,8 @@ def deform_sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coord
     sizes = _sizes(q, coords, width, height)
     grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
     with _on_device(q):
-        deform_sdpa_forward_kernel[grid](q, k, v, coords, out, lse, sm_scale * math.log2(math.e), **sizes,
-                                         BLOCK_D=_block_d(sizes["head_dim"]))
+        _launch(deform_sdpa_forward_kernel, deform_sdpa_forward_kernel_autotuned, grid, q, k, v, coords, out, lse,
+                sm_scale * math.log2(math.e), **sizes)
     return out, lse
 
 
@@ -86,9 +85,9 @@ def deform_sdpa_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         sizes = _sizes(q, coords, width, height)
         grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
         with _on_device(q):
-            deform_sdpa_backward_kernel[grid](q, k, v, coords, out, grad_out, lse, dq, dk, dv, dcoords, sm_scale,
-                                              sm_scale * math.log2(math.e), **sizes, COORDS_GRAD=coords_grad,
-                                              BLOCK_D=_block_d(sizes["head_dim"]))
+            _launch(deform_sdpa_backward_kernel, deform_sdpa_backward_kernel_autotuned, grid, q, k, v, coords, out,
+                    grad_out, lse, dq, dk, dv, dcoords, sm_scale, sm_scale * math.log2(math.e), **sizes,
+                    COORDS_GRAD=coords_grad)
     else:
         dq.zero_()
     return dq, dk.to(q.dtype), dv.to(q.dtype), dcoords.to(coords.dtype)
