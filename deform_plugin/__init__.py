@@ -6,7 +6,7 @@
    ``mmdet.models`` and friends import (see :mod:`deform_plugin.integration.mmcv_ext`);
 2. makes mmengine checkpoints load under torch >= 2.6;
 3. registers our ``MultiScaleDeformableAttention`` and rebinds mmdet's MSDA construction sites to it;
-4. registers the embedded demo dataset.
+4. registers the step-level speedups (:mod:`deform_plugin.engine`) and the embedded demo dataset.
 
 The ops (:mod:`deform_plugin.ops`) need only torch (and triton for the Triton backend).
 """
@@ -25,7 +25,7 @@ def _install_openmmlab_integration() -> None:
     install_mmcv_ext_standin()
     from .integration import checkpoint
     checkpoint.install()
-    from . import models  # noqa: F401  (registers the module)
+    from . import engine, models  # noqa: F401  (registers the modules, optimizer constructor and hooks)
     from .integration.mmdet_swap import install_msda_swap
     install_msda_swap()
     if importlib.util.find_spec("mmdet") is not None:

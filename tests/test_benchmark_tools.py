@@ -123,3 +123,55 @@ def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
                                text=True, timeout=120)
     assert completed.returncode == 2
     assert "mode 'fp8' is not one of fp32, fp16, bf16" in completed.stderr
+
+
+def _load_benchmark_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("benchmark_under_test", os.path.join(REPO_ROOT, "tools",
+                                                                                        "benchmark.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cuda_profile_analysis_on_synthetic_events():
+    """The CUDA branch of the analysis (not reachable on a CPU host) on hand-made kernel events."""
+    import re
+    from types import SimpleNamespace
+
+    import torch
+    from torch.autograd import DeviceType
+    benchmark = _load_benchmark_module()
+
+    def event(name, device, start, end, event_id=0, linked=0):
+        return SimpleNamespace(name=name, device_type=device, is_async=False, id=event_id,
+                               linked_correlation_id=linked, time_range=SimpleNamespace(start=start, end=end),
+                               self_cpu_time_total=end - start)
+    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
+    events = [
+        event("deform_plugin::train_step", cpu, 0, 1000),
+        event("deform_plugin::matching", cpu, 100, 200),
+        event("deform_plugin::optimizer", cpu, 800, 900),
+        event("aten::addmm", cpu, 10, 20, event_id=1),
+        event("aten::add", cpu, 150, 160, event_id=2),     # launched inside matching
+        event("aten::_foreach_mul_", cpu, 810, 820, event_id=3),
+        event("sm90_xmma_gemm_f32f32_tn", gpu, 30, 130, event_id=11, linked=1),
+        event("vectorized_elementwise_kernel", gpu, 170, 190, event_id=12, linked=2),
+        event("multi_tensor_apply_kernel", gpu, 830, 850, event_id=13, linked=3),
+        event("msda_backward_kernel", gpu, 400, 700, event_id=14),  # no launching op recorded: by name
+        event("ms_deformable_col2im_gpu_kernel", gpu, 690, 720, event_id=15),
+        event("Memcpy HtoD (Pageable -> Device)", gpu, 120, 125, event_id=16),
+        event("deform_plugin::train_step", gpu, 0, 1000),   # GPU-side annotation: not a kernel
+    ]
+    result = benchmark.analyse_profile(events, 1, torch.device("cuda"), re.compile(r"ms_?deform|msda", re.I))
+    components = result["components_ms_per_step"]
+    assert components["GEMM"] == pytest.approx(0.1)
+    assert components["matching"] == pytest.approx(0.02)
+    assert components["optimizer"] == pytest.approx(0.02)
+    assert components["MSDA"] == pytest.approx(0.33)
+    assert components["memcpy"] == pytest.approx(0.005)
+    assert result["kernels_per_step"] == 6
+    # Busy: [30,130] + [170,190] + [400,720] + [830,850] = 460 us of a 1000 us step.
+    assert result["busy_fraction"] == pytest.approx(0.46)
+    assert result["host_ms_per_step"] == {"matching": 0.1, "optimizer": 0.1}

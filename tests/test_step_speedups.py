@@ -262,3 +262,35 @@ def test_fast_config_selects_everything():
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsOptimWrapperConstructor"
     assert fast_path_switches_from_config(cfg) == dict(sdpa_attention=True, hungarian_host_syncs=True)
     assert cfg.optim_wrapper.paramwise_cfg == dict(custom_keys={"backbone": dict(lr_mult=0.1)})
+
+
+@pytest.mark.parametrize("num_gts", [0, 3, 25], ids=lambda n: f"gts{n}")
+def test_detr_head_targets_from_host_assignment_are_bitwise_stock(num_gts):
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+    from mmengine.structures import InstanceData
+    register_all_modules(init_default_scope=True)
+    head = MODELS.build(dict(
+        type="DeformableDETRHead", num_classes=5, embed_dims=32, sync_cls_avg_factor=False,
+        loss_cls=dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=2.0),
+        train_cfg=dict(assigner=dict(type="HungarianAssigner", match_costs=[
+            dict(type="FocalLossCost", weight=2.0), dict(type="BBoxL1Cost", weight=5.0, box_format="xywh"),
+            dict(type="IoUCost", iou_mode="giou", weight=2.0)]))))
+    holder = nn.Module()
+    holder.bbox_head = head
+    generator = torch.Generator().manual_seed(num_gts)
+    num_queries, height, width = 20, 48, 80
+    cls_score = torch.randn(num_queries, 5, generator=generator)
+    bbox_pred = torch.rand(num_queries, 4, generator=generator) * 0.5 + 0.1
+    gxy = torch.rand(num_gts, 2, generator=generator) * torch.tensor([width, height]) * 0.6
+    gt = InstanceData(bboxes=torch.cat([gxy, gxy + 4 + torch.rand(num_gts, 2, generator=generator) * 15], 1),
+                      labels=torch.randint(0, 5, (num_gts,), generator=generator))
+    meta = dict(img_shape=(height, width))
+    stock = head._get_targets_single(cls_score, bbox_pred, gt, meta)
+    assert apply_fast_paths(holder, hungarian_host_syncs=True) == {"hungarian_host_syncs": 1}
+    assert "_get_targets_single" in vars(head)
+    fast = head._get_targets_single(cls_score, bbox_pred, gt, meta)
+    for name, a, b in zip(("labels", "label_weights", "bbox_targets", "bbox_weights", "pos_inds", "neg_inds"),
+                          stock, fast):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert len(stock[4]) == min(num_gts, num_queries)

@@ -123,8 +123,8 @@ def make_inputs(case: Case, dtype: torch.dtype, dist: str, seed: int = 0, device
 # ----------------------------------------------------------------------------------------------------------------
 def stock_mmcv_op() -> Optional[Callable]:
     try:
-        from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
         import mmcv._ext as ext  # mmcv-lite has no compiled ops
+        from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
     except Exception:  # noqa: BLE001 - any import failure means "not available"
         return None
     if getattr(ext, "__deform_plugin_standin__", False):
@@ -154,7 +154,6 @@ def measure_copy_bandwidth() -> float:
     src = torch.empty(2 ** 31 // 4, device="cuda", dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
-    del src, dst
     return 2 * 2 ** 31 / (ms * 1e-3)
 
 
@@ -286,7 +285,6 @@ def time_modes(fn, inputs, repeat_ms: int = 100) -> Dict[str, Tuple[float, float
     results = {}
     for mode, call in (("fwd", forward), ("bwd", backward), ("fwd+bwd", forward_backward)):
         results[mode] = tuple(triton.testing.do_bench(call, warmup=25, rep=repeat_ms, quantiles=quantiles))
-    del out
     return results
 
 

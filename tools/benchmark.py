@@ -46,7 +46,7 @@ import time
 import traceback
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -883,6 +883,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cfg-options", nargs="+", default=None, help="key=value overrides, as in mmdet tools")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failing row")
+    parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                        help="start no new row after this many seconds (they are reported as skipped)")
     parser.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -907,8 +909,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     info = machine_info(device)
     print(machine_line(info), flush=True)
     results = []
+    started = time.perf_counter()
     for config_path in args.configs:
         for row in rows:
+            if args.time_budget is not None and time.perf_counter() - started > args.time_budget:
+                results.append({"config": config_path, "row": row.label, "backend": row.backend, "mode": row.mode,
+                                "fast": row.fast, "status": "skipped",
+                                "error": f"--time-budget {args.time_budget:.0f} s used up"})
+                continue
             results.append(run_row(config_path, row, args))
             if args.out_dir:  # partial results survive a run killed by a time limit
                 add_speedups(results)

@@ -27,7 +27,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PYTHONPATH="$(dirname "$SCRIPT_DIR"):${PYTHONPATH:-}" \
-exec "${PYTHON:-python}" -m torch.distributed.run \
+exec "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes="$NNODES" \
     --node_rank="$NODE_RANK" \
     --master_addr="$MASTER_ADDR" \

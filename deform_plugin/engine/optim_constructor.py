@@ -16,7 +16,7 @@ a different order, so the norm agrees to fp32 rounding).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Hashable, List, Optional
+from typing import Any, Dict, Hashable, List
 
 import torch
 import torch.nn as nn
@@ -118,8 +118,3 @@ class MergedParamGroupsOptimWrapperConstructor(DefaultOptimWrapperConstructor):
         optimizer = OPTIMIZERS.build(optimizer_cfg)
         return OPTIM_WRAPPERS.build(optim_wrapper_cfg, default_args=dict(optimizer=optimizer))
 
-
-def count_param_groups(optim_wrapper: OptimWrapper) -> Optional[int]:
-    """Number of param groups of a built wrapper (for reports)."""
-    optimizer = getattr(optim_wrapper, "optimizer", None)
-    return None if optimizer is None else len(optimizer.param_groups)

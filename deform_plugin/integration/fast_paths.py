@@ -15,10 +15,13 @@ Fast paths:
         differently, so single steps agree only in distribution; eval mode and dropout 0 (DINO, Mask2Former) agree
         to rounding.
     ``hungarian_host_syncs``: mmdet's ``HungarianAssigner.assign`` copies the matched row/column indices to the
-        device with two blocking copies and then scatters labels through them. The fast path builds the per-query
-        ``gt_inds`` on the host, where scipy's result already is, copies it once from pinned memory without
-        blocking, and gathers the labels on the device. Same cost matrix, same ``linear_sum_assignment`` call, the
-        same integers out: bitwise identical assignments.
+        device with two blocking copies and then scatters labels through them; the DETR heads'
+        ``_get_targets_single`` then finds the positive and negative queries with two ``nonzero()`` calls (two more
+        host syncs per image and decoder layer). The fast path builds the per-query ``gt_inds`` on the host, where
+        scipy's result already is, copies it once from pinned memory without blocking, gathers the labels on the
+        device, and lets the DETR heads take their sorted positive/negative indices from that host copy (one more
+        non-blocking copy). Same cost matrix, same ``linear_sum_assignment`` call, the same integers out: bitwise
+        identical assignments and targets.
 """
 from __future__ import annotations
 
@@ -132,9 +135,12 @@ def _assign_with_fewer_host_syncs(self, pred_instances, gt_instances, img_meta: 
     device = gt_labels.device
     if num_gts == 0 or num_preds == 0:
         # The stock path's edge cases: all background without gts, all "don't care" without predictions.
-        gt_inds = torch.full((num_preds,), 0 if num_gts == 0 else -1, dtype=torch.long, device=device)
+        fill = 0 if num_gts == 0 else -1
+        gt_inds = torch.full((num_preds,), fill, dtype=torch.long, device=device)
         labels = torch.full((num_preds,), -1, dtype=torch.long, device=device)
-        return AssignResult(num_gts=num_gts, gt_inds=gt_inds, max_overlaps=None, labels=labels)
+        result = AssignResult(num_gts=num_gts, gt_inds=gt_inds, max_overlaps=None, labels=labels)
+        result.host_gt_inds = torch.full((num_preds,), fill, dtype=torch.long)
+        return result
 
     # The named ranges cost ~1 us each when no profiler runs; under tools/profile_step.py they split matching's host
     # time into launching the cost terms, waiting for the device (the copy is the step's first sync), and scipy.
@@ -150,16 +156,72 @@ def _assign_with_fewer_host_syncs(self, pred_instances, gt_instances, img_meta: 
     host_gt_inds = np.zeros(num_preds, dtype=np.int64)
     host_gt_inds[matched_rows] = matched_cols + 1
     host_gt_inds = torch.from_numpy(host_gt_inds)
-    if device.type == "cuda":
-        # Pinned memory lets the copy run asynchronously; the caching host allocator keeps the buffer alive until
-        # the copy has completed.
-        gt_inds = host_gt_inds.pin_memory().to(device, non_blocking=True)
-    else:
-        gt_inds = host_gt_inds.to(device)
+    gt_inds = _to_device_without_blocking(host_gt_inds, device)
     # labels[q] = gt_labels[gt_inds[q] - 1] for matched queries, -1 elsewhere: the stock scatter, as a gather.
     matched = gt_inds > 0
     labels = torch.where(matched, gt_labels[(gt_inds - 1).clamp(min=0)].long(), torch.full_like(gt_inds, -1))
-    return AssignResult(num_gts=num_gts, gt_inds=gt_inds, max_overlaps=None, labels=labels)
+    result = AssignResult(num_gts=num_gts, gt_inds=gt_inds, max_overlaps=None, labels=labels)
+    # The host copy lets the DETR heads' target builder skip its two nonzero() syncs (see below).
+    result.host_gt_inds = host_gt_inds
+    return result
+
+
+def _to_device_without_blocking(host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return host_tensor.to(device)
+    # Pinned memory lets the copy run asynchronously; the caching host allocator keeps the buffer alive until the
+    # copy has completed.
+    return host_tensor.pin_memory().to(device, non_blocking=True)
+
+
+def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, img_meta):
+    """``DETRHead._get_targets_single`` taking the positive/negative query indices from the host assignment.
+
+    The stock method finds them with ``torch.nonzero(...).unique()`` on the device: two host syncs per image and
+    layer. Where the assigner left ``host_gt_inds`` (the fewer-syncs ``assign``), the same sorted indices come from
+    numpy and reach the device in one non-blocking copy; everything else is the stock computation.
+    """
+    import numpy as np
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy, bbox_xyxy_to_cxcywh
+    from mmengine.structures import InstanceData
+
+    img_h, img_w = img_meta["img_shape"]
+    factor = bbox_pred.new_tensor([img_w, img_h, img_w, img_h]).unsqueeze(0)
+    num_bboxes = bbox_pred.size(0)
+    bbox_pred = bbox_cxcywh_to_xyxy(bbox_pred) * factor
+    pred_instances = InstanceData(scores=cls_score, bboxes=bbox_pred)
+    assign_result = self.assigner.assign(pred_instances=pred_instances, gt_instances=gt_instances,
+                                         img_meta=img_meta)
+    host_gt_inds = getattr(assign_result, "host_gt_inds", None)
+    if host_gt_inds is None:
+        pos_inds = torch.nonzero(assign_result.gt_inds > 0, as_tuple=False).squeeze(-1).unique()
+        neg_inds = torch.nonzero(assign_result.gt_inds == 0, as_tuple=False).squeeze(-1).unique()
+    else:
+        host = host_gt_inds.numpy()
+        host_pos, host_neg = np.flatnonzero(host > 0), np.flatnonzero(host == 0)  # sorted and unique, as stock
+        both = _to_device_without_blocking(torch.from_numpy(np.concatenate([host_pos, host_neg])),
+                                           bbox_pred.device)
+        pos_inds, neg_inds = both[:len(host_pos)], both[len(host_pos):]
+    gt_bboxes = gt_instances.bboxes
+    gt_labels = gt_instances.labels
+    pos_assigned_gt_inds = assign_result.gt_inds[pos_inds] - 1
+    pos_gt_bboxes = gt_bboxes[pos_assigned_gt_inds.long(), :]
+    labels = gt_bboxes.new_full((num_bboxes,), self.num_classes, dtype=torch.long)
+    labels[pos_inds] = gt_labels[pos_assigned_gt_inds]
+    label_weights = gt_bboxes.new_ones(num_bboxes)
+    bbox_targets = torch.zeros_like(bbox_pred, dtype=gt_bboxes.dtype)
+    bbox_weights = torch.zeros_like(bbox_pred, dtype=gt_bboxes.dtype)
+    bbox_weights[pos_inds] = 1.0
+    bbox_targets[pos_inds] = bbox_xyxy_to_cxcywh(pos_gt_bboxes / factor)
+    return labels, label_weights, bbox_targets, bbox_weights, pos_inds, neg_inds
+
+
+def _detr_heads_with_stock_targets(model: nn.Module):
+    """DETR-family heads whose class uses ``DETRHead._get_targets_single`` unchanged (others are left alone)."""
+    from mmdet.models.dense_heads import DETRHead
+    for module in model.modules():
+        if isinstance(module, DETRHead) and type(module)._get_targets_single is DETRHead._get_targets_single:
+            yield module
 
 
 def _hungarian_assigners(model: nn.Module):
@@ -173,15 +235,18 @@ def _hungarian_assigners(model: nn.Module):
 
 
 def enable_hungarian_host_syncs(model: nn.Module) -> int:
-    """Give every stock ``HungarianAssigner`` held by a module of ``model`` the fewer-syncs ``assign``.
+    """Give every stock ``HungarianAssigner`` held by a module of ``model`` the fewer-syncs ``assign``, and every
+    DETR-family head that uses the stock ``DETRHead._get_targets_single`` the variant that reads its result.
 
-    Only instances are changed (the class stays stock), so other models in the process are unaffected.
+    Only instances are changed (the classes stay stock), so other models in the process are unaffected.
     Returns the number of assigners changed.
     """
     changed = 0
     for assigner in _hungarian_assigners(model):
         assigner.assign = _assign_with_fewer_host_syncs.__get__(assigner)
         changed += 1
+    for head in _detr_heads_with_stock_targets(model):
+        head._get_targets_single = _detr_targets_single_fewer_syncs.__get__(head)
     return changed
 
 
@@ -191,6 +256,8 @@ def disable_hungarian_host_syncs(model: nn.Module) -> int:
         if "assign" in vars(assigner):
             del assigner.assign
             changed += 1
+    for head in _detr_heads_with_stock_targets(model):
+        vars(head).pop("_get_targets_single", None)
     return changed
 
 

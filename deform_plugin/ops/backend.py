@@ -53,13 +53,17 @@ def default_backend(name: str) -> Iterator[None]:
         _default_backend = previous
 
 
+# Looked up once: torch.compile cannot trace importlib calls made on every op call.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def triton_unavailable_reason(device: torch.device) -> Optional[str]:
     """Why the Triton kernels cannot run on ``device``, or None when they can."""
-    if importlib.util.find_spec("triton") is None:
+    if not _TRITON_INSTALLED:
         return "the triton package is not installed (pip install triton)"
     if device.type == "cuda":
         return None

@@ -38,7 +38,10 @@ def multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch.Tenso
         >>> multi_scale_deformable_attn(value, shapes, starts, loc, weights).shape
         torch.Size([2, 100, 256])
     """
-    shape = check_msda_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    # The level-table check reads spatial_shapes on the host: data-dependent, so torch.compile(fullgraph=True)
+    # could not trace it. Compiled graphs skip it (eager calls of the same code have checked the tables).
+    shape = check_msda_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                              check_level_sizes=not torch.compiler.is_compiling())
     name = resolve_backend(backend, value.device)
     if shape.batch == 0 or shape.num_queries == 0:
         return value.new_zeros((shape.batch, shape.num_queries, shape.num_heads * shape.head_dim))
@@ -98,7 +101,8 @@ def fused_multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch
                          f"implies (batch, queries, levels) = {(batch, num_queries, num_levels)}")
     name = resolve_backend(backend, value.device)
     if name == "triton":
-        check_msda_inputs(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits)
+        check_msda_inputs(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
+                          check_level_sizes=not torch.compiler.is_compiling())
         if batch == 0 or num_queries == 0:
             return value.new_zeros((batch, num_queries, value.shape[2] * value.shape[3]))
         from .triton_op import fused_multi_scale_deformable_attn_triton

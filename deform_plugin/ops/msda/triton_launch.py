@@ -32,8 +32,16 @@ class LaunchConfig:
     num_stages: int = 1
 
 
+def _next_power_of_2(n: int) -> int:
+    # Plain Python: triton.next_power_of_2 is patched (and slow) under the interpreter, and this runs every call.
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def _device_guard(tensor: torch.Tensor):
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+    # Switching devices costs host time: only when the tensors are not on the current device.
+    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
 
 
 def _accumulator_dtype(value: torch.Tensor):
@@ -51,11 +59,11 @@ def choose_config(head_dim: int, num_queries: int, backward: bool, block_q: Opti
     Measured on an H200 (docs/kernels.md): small tiles win in both directions, since many resident programs keep
     more independent gathers in flight than a large tile per program does; 128 x 32 tiles were 1.2-2x slower.
     """
-    block_d = triton.next_power_of_2(max(head_dim, 1))
+    block_d = _next_power_of_2(head_dim)
     if block_q is None:
         block_q = max(1, 1024 // block_d)
         # Do not pad a tiny query count up to a large block.
-        block_q = min(block_q, max(16, triton.next_power_of_2(num_queries)))
+        block_q = min(block_q, max(16, _next_power_of_2(num_queries)))
     if num_warps is None:
         num_warps = max(1, min(8, block_q * block_d // 256))
     return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
@@ -66,7 +74,7 @@ def _level_tables(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
 
 
 def _softmax_block(num_levels: int, num_points: int) -> int:
-    return triton.next_power_of_2(num_levels * num_points)
+    return _next_power_of_2(num_levels * num_points)
 
 
 def msda_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,

@@ -10,7 +10,7 @@ default_scope = 'mmdet'
 image_size = 128
 embed_dims = 128
 num_levels = 4
-max_iters = 600
+max_iters = 500
 batch_size = 4
 # `None` generates the set under $DEFORM_PLUGIN_DATA or ~/.cache/deform_plugin/shapes on first use.
 shapes_cache_root = None
