@@ -20,7 +20,7 @@ The first row is the baseline of the speedup columns. Examples::
         --rows stock:fp32 triton:fp32:all triton:bf16:all --out-dir bench_results/h100
 
     # CPU smoke run
-    python tools/benchmark.py configs/demo/deformable-detr-refine-twostage_r18_tiny_1xb4-600i_shapes.py \\
+    python tools/benchmark.py configs/demo/deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py \\
         --device cpu --shape 128 160 --steps 2 --warmup 1 --rows pytorch:fp32:none pytorch:fp32:all
 
 Each timed training step is mmengine's ``model.train_step`` (data preprocessor, forward, loss, backward, clip,

@@ -1,7 +1,8 @@
 """Train a detector with deform_plugin loaded: mmdet 3.3.0's ``tools/train.py`` arguments and behaviour.
 
     python tools/train.py CONFIG [--work-dir DIR] [--amp | --amp-dtype {float16,bfloat16}] [--auto-scale-lr]
-                                 [--resume [CHECKPOINT]] [--cfg-options KEY=VALUE ...] [--launcher none|pytorch|slurm|mpi]
+                                 [--resume [CHECKPOINT]] [--cfg-options KEY=VALUE ...]
+                                 [--launcher none|pytorch|slurm|mpi]
 
 Differences from mmdet's script: ``deform_plugin`` is imported first (so mmdet imports with mmcv-lite and configs
 may name our modules without ``custom_imports``), checkpoints load under torch >= 2.6, and ``--amp-dtype`` picks
