@@ -59,9 +59,10 @@ def parse_args():
 def machine_line() -> str:
     import triton
 
+    commit = os.environ.get("DEFORM_PLUGIN_COMMIT")  # set where the tree has no .git (a remote GPU host)
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                                          capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"

@@ -494,7 +494,9 @@ def analyse_profile(events, steps: int, device: torch.device, msda_pattern: re.P
                 continue
             kernel_count += 1
             intervals.append((start, end))
-            launched = launch_time.get(e.linked_correlation_id) or launch_time.get(e.id)
+            # Older torch names the launching CPU event by linked_correlation_id; torch 2.11 drops the attribute.
+            # Without a launch time the kernel is classified by its name alone.
+            launched = launch_time.get(getattr(e, "linked_correlation_id", None)) or launch_time.get(e.id)
             component = enclosing_range(launched) if launched is not None else None
             per_component[RANGE_COMPONENT.get(component) or classify_name(e.name, msda_pattern)] += end - start
         intervals.sort()
@@ -723,8 +725,9 @@ def machine_info(device: torch.device) -> dict:
                                   timeout=10).stdout.strip()
         except Exception:
             return ""
-    commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    if git("status", "--porcelain", "--untracked-files=no"):
+    # A copy of the tree without .git (a remote GPU host) names its commit through DEFORM_PLUGIN_COMMIT.
+    commit = os.environ.get("DEFORM_PLUGIN_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
+    if not os.environ.get("DEFORM_PLUGIN_COMMIT") and git("status", "--porcelain", "--untracked-files=no"):
         commit += "+dirty"
     mmcv_ops = importlib.util.find_spec("mmcv") is not None and any(
         name.startswith("_ext") for name in os.listdir(os.path.dirname(importlib.util.find_spec("mmcv").origin)))
