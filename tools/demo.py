@@ -68,7 +68,9 @@ class TrainProgressHook(Hook):
             return
         self.bar.update(1)
         if outputs and "loss" in outputs:
-            self.bar.set_postfix(loss=f"{float(outputs['loss']):.3f}", refresh=False)
+            loss = outputs["loss"]
+            loss = loss.detach() if hasattr(loss, "detach") else loss  # a graph tensor: read its value only
+            self.bar.set_postfix(loss=f"{float(loss):.3f}", refresh=False)
 
     def after_train(self, runner) -> None:
         if self.bar is not None:
