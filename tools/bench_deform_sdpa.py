@@ -19,7 +19,6 @@ import datetime
 import math
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,8 +26,10 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from deform_plugin.ops.deform_sdpa import deform_sdpa  # noqa: E402
+from repo_commit import repo_commit  # noqa: E402  (a sibling in tools/)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BACKENDS = ("pytorch", "triton")
@@ -59,12 +60,7 @@ def parse_args():
 def machine_line() -> str:
     import triton
 
-    commit = os.environ.get("DEFORM_PLUGIN_COMMIT")  # set where the tree has no .git (a remote GPU host)
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                                          capture_output=True, text=True, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+    commit = repo_commit()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (f"machine: {gpu} | CUDA {torch.version.cuda} | torch {torch.__version__} | triton {triton.__version__} "
             f"| python {platform.python_version()} | commit {commit} | {datetime.datetime.now():%Y-%m-%d %H:%M}")

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -32,11 +30,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from deform_plugin.ops.msda import triton_launch  # noqa: E402
+from repo_commit import repo_commit  # noqa: E402  (a sibling in tools/)
 from deform_plugin.ops.msda.reference import multi_scale_deformable_attn_reference  # noqa: E402
 from deform_plugin.ops.msda.triton_op import multi_scale_deformable_attn_triton  # noqa: E402
 
@@ -302,13 +302,7 @@ def peak_extra_memory_mb(fn, inputs) -> float:
 
 
 def machine_line() -> str:
-    commit = os.environ.get("DEFORM_PLUGIN_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).resolve().parents[1]).stdout.strip() or "unknown"
-        except OSError:
-            commit = "unknown"
+    commit = repo_commit()
     props = torch.cuda.get_device_properties(0)
     return (f"GPU {props.name} ({props.multi_processor_count} SMs), CUDA {torch.version.cuda}, torch "
             f"{torch.__version__}, triton {triton.__version__}, commit {commit}, "

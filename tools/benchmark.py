@@ -52,6 +52,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from repo_commit import repo_commit  # noqa: E402  (a sibling in tools/)
 if importlib.util.find_spec("deform_plugin") is None:
     # Run from a checkout without `pip install -e .`: import the package from the repository. Finding the spec
     # does not import it, so stock rows stay free of deform_plugin.
@@ -719,16 +721,7 @@ def package_version(name: str) -> Optional[str]:
 
 
 def machine_info(device: torch.device) -> dict:
-    def git(*argv):
-        try:
-            return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except Exception:
-            return ""
-    # A copy of the tree without .git (a remote GPU host) names its commit through DEFORM_PLUGIN_COMMIT.
-    commit = os.environ.get("DEFORM_PLUGIN_COMMIT") or git("rev-parse", "--short", "HEAD") or "unknown"
-    if not os.environ.get("DEFORM_PLUGIN_COMMIT") and git("status", "--porcelain", "--untracked-files=no"):
-        commit += "+dirty"
+    commit = repo_commit()
     mmcv_ops = importlib.util.find_spec("mmcv") is not None and any(
         name.startswith("_ext") for name in os.listdir(os.path.dirname(importlib.util.find_spec("mmcv").origin)))
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
