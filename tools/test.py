@@ -16,14 +16,13 @@ from typing import Optional, Sequence
 # A checkout's tools run that checkout's plugin, installed or not.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deform_plugin  # noqa: E402,F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
-from mmengine.config import DictAction
 
 from mmdet.engine.hooks.utils import trigger_visualization_hook
 from mmdet.evaluation import DumpDetResults
 from mmdet.utils import setup_cache_size_limit_of_dynamo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import build_runner, load_config  # noqa: E402  (the sibling script, shared config handling)
+from train import build_runner, load_config, parse_with_common_arguments  # noqa: E402  (the sibling script, shared config handling)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -36,14 +35,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--show-dir", help="directory where painted images will be saved "
                         "(under work_dir/timestamp/)")
     parser.add_argument("--wait-time", type=float, default=2, help="the interval of show (s)")
-    parser.add_argument("--cfg-options", nargs="+", action=DictAction,
-                        help="override settings of the config, as key=value pairs (mmengine's DictAction syntax)")
-    parser.add_argument("--launcher", choices=["none", "pytorch", "slurm", "mpi"], default="none",
-                        help="job launcher")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=0)
-    args = parser.parse_args(argv)
-    if "LOCAL_RANK" not in os.environ:
-        os.environ["LOCAL_RANK"] = str(args.local_rank)
+    args = parse_with_common_arguments(parser, argv)
     if args.out is not None and not args.out.endswith((".pkl", ".pickle")):
         parser.error(f"--out must name a .pkl or .pickle file, got {args.out!r}")
     return args

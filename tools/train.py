@@ -41,6 +41,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--auto-scale-lr", action="store_true", help="enable automatically scaling LR")
     parser.add_argument("--resume", nargs="?", type=str, const="auto",
                         help="resume from this checkpoint; without a path, from the latest checkpoint in the work dir")
+    return parse_with_common_arguments(parser, argv)
+
+
+def parse_with_common_arguments(parser: argparse.ArgumentParser,
+                                argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Add the options mmdet's train and test tools share (config overrides, launcher, local rank) and parse."""
     parser.add_argument("--cfg-options", nargs="+", action=DictAction,
                         help="override settings of the config, as key=value pairs (mmengine's DictAction syntax: "
                         'key="[a,b]" or key=a,b for lists; no white space)')

@@ -100,26 +100,21 @@ def enable_sdpa_attention(model: nn.Module) -> int:
     so it may run before or after the optimizer and DDP are built. Subclasses of the brick are left alone (their
     forward may differ). Returns the number of modules switched.
     """
-    stock = _stock_multihead_attention_class()
-    fast = sdpa_multihead_attention_class()
+    return _switch_class(model, _stock_multihead_attention_class(), sdpa_multihead_attention_class())
+
+
+def _switch_class(model: nn.Module, old: type, new: type) -> int:
     switched = 0
     for module in model.modules():
-        if type(module) is stock:
-            module.__class__ = fast
+        if type(module) is old:
+            module.__class__ = new
             switched += 1
     return switched
 
 
 def disable_sdpa_attention(model: nn.Module) -> int:
     """Undo :func:`enable_sdpa_attention`; returns the number of modules switched back."""
-    stock = _stock_multihead_attention_class()
-    fast = sdpa_multihead_attention_class()
-    switched = 0
-    for module in model.modules():
-        if type(module) is fast:
-            module.__class__ = stock
-            switched += 1
-    return switched
+    return _switch_class(model, sdpa_multihead_attention_class(), _stock_multihead_attention_class())
 
 
 # ---- Hungarian matching -------------------------------------------------------------------------------------------
