@@ -10,13 +10,12 @@ STAMP := $(VENV)/.deform_plugin_installed
 install: $(STAMP)
 
 # --system-site-packages: a torch (or a compiled mmcv) already on the machine is kept and used as it is.
-$(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile
+$(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile deform_plugin/integration/mmcv_lite.py
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 	$(PIP) install -r requirements/runtime.txt -r requirements/tests.txt
 	@# mmcv with compiled ops, where present, is used as it is; otherwise mmcv-lite (seconds, no compiler).
-	$(PY) -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec('mmcv') and u.find_spec('mmcv._ext') else 1)" \
-		|| $(PIP) install mmcv-lite==2.1.0
+	$(PY) deform_plugin/integration/mmcv_lite.py compiled-ops || $(PIP) install mmcv-lite==2.1.0
 	$(PIP) install --no-deps --no-build-isolation -e .
 	$(PY) -c "import deform_plugin, mmdet.models; print('deform_plugin', deform_plugin.__version__, 'ready')"
 	touch $(STAMP)

@@ -3,33 +3,17 @@
 ``import deform_plugin`` (or ``custom_imports = dict(imports=['deform_plugin'])`` in an mmdet config):
 
 1. where mmcv is installed without its compiled ops (mmcv-lite), installs a stand-in ``mmcv._ext`` so that
-   ``mmdet.models`` and friends import (see :mod:`deform_plugin.integration.mmcv_ext`);
+   ``mmdet.models`` and friends import (see :mod:`deform_plugin.integration.mmcv_lite`);
 2. makes mmengine checkpoints load under torch >= 2.6;
 3. registers our ``MultiScaleDeformableAttention`` and rebinds mmdet's MSDA construction sites to it;
 4. registers the step-level speedups (:mod:`deform_plugin.engine`) and the embedded demo dataset.
 
 The ops (:mod:`deform_plugin.ops`) need only torch (and triton for the Triton backend).
 """
-import importlib.util
-
+from .integration import install_openmmlab_integration
 from .ops import default_backend, get_default_backend, set_default_backend
 from .version import __version__
 
 __all__ = ["__version__", "default_backend", "get_default_backend", "set_default_backend"]
 
-
-def _install_openmmlab_integration() -> None:
-    if importlib.util.find_spec("mmcv") is None or importlib.util.find_spec("mmengine") is None:
-        return
-    from .integration.mmcv_ext import install_mmcv_ext_standin
-    install_mmcv_ext_standin()
-    from .integration import checkpoint
-    checkpoint.install()
-    from . import engine, models  # noqa: F401  (registers the modules, optimizer constructor and hooks)
-    from .integration.mmdet_swap import install_msda_swap
-    install_msda_swap()
-    if importlib.util.find_spec("mmdet") is not None:
-        from . import datasets  # noqa: F401  (registers the embedded dataset)
-
-
-_install_openmmlab_integration()
+install_openmmlab_integration()

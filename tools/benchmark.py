@@ -620,7 +620,7 @@ def run_row_in_process(config_path: str, row: Row, args) -> dict:
     model.to(device)
     result["fast_path_sites"] = {}
     if plugin and any(switches.values()):
-        from deform_plugin.integration.fast_paths import apply_fast_paths
+        from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         result["fast_path_sites"] = apply_fast_paths(model, **switches)
     model.train()
     optim_wrapper = build_optim_wrapper(model, optim_wrapper_config(cfg, row.mode))

@@ -1,4 +1,4 @@
-"""A hook that turns on the exact fast paths of ``deform_plugin.integration.fast_paths`` for a Runner's model."""
+"""A hook that turns on the exact fast paths of ``deform_plugin.integration.mmdet_fast_paths`` for a Runner's model."""
 from __future__ import annotations
 
 from mmengine.hooks import Hook
@@ -30,7 +30,7 @@ class FastPathsHook(Hook):
         self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs))
 
     def before_run(self, runner) -> None:
-        from deform_plugin.integration.fast_paths import apply_fast_paths
+        from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         changed = apply_fast_paths(runner.model, **self.switches)
         print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
 

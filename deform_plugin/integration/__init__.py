@@ -1,1 +1,29 @@
-"""The one layer that knows mmcv's and mmdet's private structure (construction sites, compiled extension)."""
+"""The one layer that knows other packages' private structure, one file per outside concern.
+
+- :mod:`.mmcv_lite`: are mmcv's compiled ops present; the stand-in ``mmcv._ext`` where they are not;
+- :mod:`.mmcv_msda_backend`: mmcv's stock MSDA kernel as the op's ``'mmcv'`` backend;
+- :mod:`.mmengine_checkpoint`: mmengine checkpoints under torch's weights-only loading;
+- :mod:`.mmdet_msda_sites`: our MSDA wherever mmdet builds one;
+- :mod:`.mmdet_focal_loss`: bf16 logits through mmcv's compiled focal loss;
+- :mod:`.mmdet_fast_paths`: the exact fast paths of a training step (opt-in, per model).
+"""
+import importlib.util
+
+
+def install_openmmlab_integration() -> None:
+    """What ``import deform_plugin`` does where mmcv and mmengine are installed (nothing otherwise)."""
+    if importlib.util.find_spec("mmcv") is None or importlib.util.find_spec("mmengine") is None:
+        return
+    from .mmcv_lite import install_mmcv_ext_standin
+    install_mmcv_ext_standin()
+    from .mmcv_msda_backend import register_mmcv_msda_backend
+    register_mmcv_msda_backend()
+    from .mmengine_checkpoint import install_checkpoint_allowlist
+    install_checkpoint_allowlist()
+    from .. import engine, models  # noqa: F401  (registers the modules, optimizer constructor and hooks)
+    from .mmdet_focal_loss import install_bf16_focal_loss
+    from .mmdet_msda_sites import install_msda_construction_sites
+    install_msda_construction_sites()
+    install_bf16_focal_loss()
+    if importlib.util.find_spec("mmdet") is not None:
+        from .. import datasets  # noqa: F401  (registers the embedded dataset)

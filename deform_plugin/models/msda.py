@@ -16,7 +16,7 @@ from mmengine.registry import MODELS
 from mmengine.utils import deprecated_api_warning
 
 from deform_plugin.ops import fused_multi_scale_deformable_attn
-from deform_plugin.ops.backend import BACKENDS
+from deform_plugin.ops.backend import validate_backend_name
 
 
 class MultiScaleDeformableAttention(MMCVMultiScaleDeformableAttention):
@@ -52,9 +52,7 @@ class MultiScaleDeformableAttention(MMCVMultiScaleDeformableAttention):
                  init_cfg=None,
                  value_proj_ratio: float = 1.0,
                  backend: Optional[str] = None):
-        if backend is not None and backend not in BACKENDS:
-            raise ValueError(f"unknown MSDA backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))} "
-                             "or None for the process default")
+        validate_backend_name("msda", backend)
         super().__init__(embed_dims=embed_dims, num_heads=num_heads, num_levels=num_levels, num_points=num_points,
                          im2col_step=im2col_step, dropout=dropout, batch_first=batch_first, norm_cfg=norm_cfg,
                          init_cfg=init_cfg, value_proj_ratio=value_proj_ratio)

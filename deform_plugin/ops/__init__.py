@@ -1,11 +1,11 @@
-"""Operators of deform_plugin. They know nothing of mmdet: tensors in, tensors out."""
-from .backend import BACKENDS, default_backend, get_default_backend, set_default_backend
+"""Operators of deform_plugin. They import torch and triton only: tensors in, tensors out."""
+from .backend import backend_names, default_backend, get_default_backend, register_backend, set_default_backend
 from .deform_sdpa import deform_sdpa, deform_sdpa_reference
 from .msda import (fused_multi_scale_deformable_attn, multi_scale_deformable_attn,
                    multi_scale_deformable_attn_reference)
 
 __all__ = [
-    "BACKENDS",
+    "backend_names",
     "default_backend",
     "deform_sdpa",
     "deform_sdpa_reference",
@@ -13,5 +13,6 @@ __all__ = [
     "get_default_backend",
     "multi_scale_deformable_attn",
     "multi_scale_deformable_attn_reference",
+    "register_backend",
     "set_default_backend",
 ]

@@ -5,6 +5,8 @@ have run it, with a message that names the offending values.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +40,7 @@ def check_deform_sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
     Raises:
         TypeError: a tensor argument is not a tensor, has an unsupported dtype, or q, k, v differ in dtype;
-            width or height is not an int.
+            width or height is not an integer (Python, numpy or 0-d integer tensor).
         ValueError: shapes that do not agree with each other or with ``width * height``, or tensors on
             different devices; the message names the values.
     """
@@ -46,12 +48,8 @@ def check_deform_sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     for name, tensor in named.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    for name, size in (("width", width), ("height", height)):
-        # bool is an int subclass but never a meaningful image size.
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise TypeError(f"{name} must be an int, got {type(size).__name__} ({size!r})")
-        if size < 0:
-            raise ValueError(f"{name} must be >= 0, got {size}")
+    width = _integral_size("width", width)
+    height = _integral_size("height", height)
     for name, tensor in named.items():
         if tensor.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32 or float64), "
@@ -90,6 +88,32 @@ def check_deform_sdpa_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"q, k, v and coords must be on one device, got q {q.device}, k {k.device}, "
                          f"v {v.device}, coords {coords.device}")
     return DeformSDPAShape(batch, num_views, num_heads, num_pixels, head_dim, num_samples, width, height)
+
+
+def _integral_size(name: str, size) -> int:
+    """An image size as a Python int: any integer type is accepted (int, numpy integer, 0-d integer tensor)."""
+    if isinstance(size, torch.Tensor):
+        if size.dim() != 0 or size.dtype.is_floating_point or size.dtype.is_complex or size.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer, got a {size.dtype} tensor of shape {tuple(size.shape)}")
+        size = size.item()
+    # bool is an int subclass but never a meaningful image size.
+    elif isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(size).__name__} ({size!r})")
+    size = int(size)
+    if size < 0:
+        raise ValueError(f"{name} must be >= 0, got {size}")
+    return size
+
+
+def check_sm_scale(sm_scale, head_dim: int) -> float:
+    """The score scale as a finite float: ``1 / sqrt(head_dim)`` for None."""
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    return float(sm_scale)
 
 
 def triton_unsupported_reasons(q: torch.Tensor, coords: torch.Tensor) -> list:

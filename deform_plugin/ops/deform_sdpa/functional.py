@@ -1,16 +1,16 @@
 """Public entry point of the deformable-SDPA op: validate, pick a backend, run it."""
 from __future__ import annotations
 
-import math
 import warnings
-from numbers import Real
 from typing import Optional
 
 import torch
 
 from ..backend import get_default_backend, resolve_backend
-from .checks import check_deform_sdpa_inputs, triton_unsupported_reasons
+from .checks import check_deform_sdpa_inputs, check_sm_scale, triton_unsupported_reasons
 from .reference import deform_sdpa_reference
+
+OP_NAME = "deform_sdpa"
 
 
 def deform_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch.Tensor, width: int, height: int,
@@ -29,22 +29,22 @@ def deform_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch
             the V views; pixel = x * width - 0.5 (our MSDA convention, grid_sample's align_corners=False).
             Points outside a view sample zero keys and values (zero padding), as do NaN or infinite points, and
             still take part in the softmax with score 0.
-        width: width of every view's map.
-        height: height of every view's map.
-        sm_scale: score scale; default ``1 / sqrt(D)``.
+        width: width of every view's map: an integer of any integer type (Python, numpy, 0-d integer tensor).
+        height: height of every view's map, likewise.
+        sm_scale: finite score scale; default ``1 / sqrt(D)``.
         backend: ``'auto'``, ``'triton'``, ``'pytorch'`` or None for the process default (see
             :mod:`deform_plugin.ops.backend`). ``'auto'`` runs Triton on CUDA (the PyTorch reference for float64,
-            and, with a warning, for head_dim > 256) and the reference elsewhere. A process default of ``'mmcv'``
-            (an MSDA-only backend) counts as ``'auto'`` here; an explicit ``backend='mmcv'`` is an error.
+            and, with a warning, for head_dim > 256) and the reference elsewhere. A process default that this op
+            does not offer (MSDA's ``'mmcv'``) counts as ``'auto'``.
 
     Returns:
         ``(B, V, H, N, D)`` in the dtype of q.
 
     Raises:
-        TypeError: non-tensor inputs, non-floating dtypes, q/k/v dtypes that differ, or dtypes the chosen
-            backend cannot run (Triton: float16, bfloat16, float32).
-        ValueError: inconsistent shapes, mixed devices, ``backend='mmcv'``, head_dim > 256 on
-            ``backend='triton'``.
+        TypeError: non-tensor inputs, non-integral width/height, a non-real sm_scale, non-floating dtypes,
+            q/k/v dtypes that differ, or dtypes the chosen backend cannot run (Triton: float16, bfloat16, float32).
+        ValueError: inconsistent shapes, mixed devices, a non-finite sm_scale, a backend this op does not have,
+            head_dim > 256 on ``backend='triton'``.
 
     Example:
         >>> B, V, S, H, D, W, Hh = 2, 3, 4, 2, 16, 5, 4
@@ -53,21 +53,12 @@ def deform_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch
         >>> deform_sdpa(q, k, v, coords, W, Hh).shape
         torch.Size([2, 3, 2, 20, 16])
     """
-    if backend == "mmcv":
-        raise ValueError("backend='mmcv' has no deformable SDPA kernel (mmcv ships none): choose 'auto', "
-                         "'triton' or 'pytorch'")
     shape = check_deform_sdpa_inputs(q, k, v, coords, width, height)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(shape.head_dim)
-    elif isinstance(sm_scale, bool) or not isinstance(sm_scale, Real):
-        raise TypeError(f"sm_scale must be a real number or None, got {type(sm_scale).__name__}")
-    sm_scale = float(sm_scale)
-
-    requested = backend
-    if requested is None and get_default_backend() == "mmcv":
-        requested = "auto"
-    automatic = requested == "auto" or (requested is None and get_default_backend() == "auto")
-    name = resolve_backend(requested, q.device)
+    width, height = shape.width, shape.height
+    sm_scale = check_sm_scale(sm_scale, shape.head_dim)
+    # 'auto', and a default this op does not offer, leave the choice to us: fall back instead of failing.
+    automatic = (backend if backend is not None else get_default_backend()) not in ("triton", "pytorch")
+    name = resolve_backend(OP_NAME, backend, q.device)
     if name == "triton" and automatic:
         reasons = triton_unsupported_reasons(q, coords)
         if reasons:

@@ -11,32 +11,11 @@ Tensor arguments are contiguous; their shapes are commented at each pointer.
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from ..backend import triton_interpreter_enabled
-
-AUTOTUNE_ENV = "DEFORM_PLUGIN_SDPA_AUTOTUNE"
-
-
-def autotune_enabled() -> bool:
-    """Autotuning is opt-in (``DEFORM_PLUGIN_SDPA_AUTOTUNE=1``): it compiles ~9 configs per new (V*S, head_dim,
-    dtype), tens of seconds, which tests and short jobs should not pay. Never under the interpreter."""
-    return os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0") and not triton_interpreter_enabled()
-
-
-def heuristic_block_t(num_keys: int, block_d: int) -> int:
-    """Samples per block: about 4 tile elements per thread at 4 warps (ptxas for sm_90: 56-87 registers forward,
-    71-156 backward at head_dim 32-128, no spills); at most the key count rounded up to a power of two."""
-    return max(2, min(512 // block_d, triton.next_power_of_2(num_keys)))
-
-
-HEURISTIC_NUM_WARPS = 4
-
-
-def _tuning_configs():
+def tuning_configs():
+    """The launch configurations autotuning tries (opt-in: see ``triton_launch.autotune_enabled``)."""
     return [triton.Config({"BLOCK_T": block_t}, num_warps=warps)
             for block_t in (4, 8, 16, 32, 64) for warps in (2, 4, 8)]
 
@@ -97,7 +76,8 @@ def _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, step_x: tl.c
     return weight, tl.sum(key * q[None, :], 1), value
 
 
-@triton.jit
+# The sizes that follow the image (pixels, width, height) are not specialised, so a new image size compiles nothing.
+@triton.jit(do_not_specialize=["num_pixels", "width", "height"])
 def deform_sdpa_forward_kernel(
     q_ptr,  # (B, V, H, N, D)
     k_ptr,  # (B, V, H, N, D)
@@ -183,7 +163,7 @@ def _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, step_x: tl.conste
     tl.atomic_add(dv_ptr + offsets, value_grad_scale[:, None] * grad_out[None, :], mask=mask, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pixels", "width", "height"])
 def deform_sdpa_backward_kernel(
     q_ptr,  # (B, V, H, N, D)
     k_ptr,  # (B, V, H, N, D)
@@ -270,10 +250,10 @@ def deform_sdpa_backward_kernel(
 
 
 deform_sdpa_forward_kernel_autotuned = triton.autotune(
-    configs=_tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D"],
+    configs=tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D"],
     prune_configs_by={"early_config_prune": _keep_moderate_tiles})(deform_sdpa_forward_kernel)
 # The atomically accumulated buffers must be zeroed before each timed trial, or the trials add up.
 deform_sdpa_backward_kernel_autotuned = triton.autotune(
-    configs=_tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D", "COORDS_GRAD"],
+    configs=tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D", "COORDS_GRAD"],
     prune_configs_by={"early_config_prune": _keep_moderate_tiles},
     reset_to_zero=["dk_ptr", "dv_ptr", "dcoords_ptr"])(deform_sdpa_backward_kernel)

@@ -1,26 +1,39 @@
-"""Host launchers of the deformable-SDPA Triton kernels: validate, allocate, pick block sizes, launch.
+"""Host launchers of the deformable-SDPA Triton kernels: allocate, pick block sizes (or autotune), launch.
 
-These take and return plain tensors (no autograd); :mod:`.triton_op` wraps them in a custom op.
+They take inputs that :mod:`.checks` already accepted and do no host synchronisation. Each launch runs under
+:func:`~deform_plugin.ops.triton_support.launch_device`.
 """
 from __future__ import annotations
 
-import contextlib
 import math
+import os
 from typing import Tuple
 
 import torch
-import triton
 
+from ..triton_support import launch_device, next_power_of_2, triton_interpreter_enabled
 from .checks import TRITON_DTYPES, triton_unsupported_reasons
 from .triton_kernels import (
-    HEURISTIC_NUM_WARPS,
-    autotune_enabled,
     deform_sdpa_backward_kernel,
     deform_sdpa_backward_kernel_autotuned,
     deform_sdpa_forward_kernel,
     deform_sdpa_forward_kernel_autotuned,
-    heuristic_block_t,
 )
+
+AUTOTUNE_ENV = "DEFORM_PLUGIN_SDPA_AUTOTUNE"
+HEURISTIC_NUM_WARPS = 4
+
+
+def autotune_enabled() -> bool:
+    """Autotuning is opt-in (``DEFORM_PLUGIN_SDPA_AUTOTUNE=1``): it compiles ~9 configs per new (V*S, head_dim,
+    dtype), tens of seconds, which tests and short jobs should not pay. Never under the interpreter."""
+    return os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0") and not triton_interpreter_enabled()
+
+
+def heuristic_block_t(num_keys: int, block_d: int) -> int:
+    """Samples per block: about 4 tile elements per thread at 4 warps (ptxas for sm_90: 56-87 registers forward,
+    71-156 backward at head_dim 32-128, no spills); at most the key count rounded up to a power of two."""
+    return max(2, min(512 // block_d, next_power_of_2(num_keys)))
 
 
 def _check_supported(q: torch.Tensor, coords: torch.Tensor) -> None:
@@ -28,11 +41,6 @@ def _check_supported(q: torch.Tensor, coords: torch.Tensor) -> None:
     if reasons:
         error = TypeError if q.dtype not in TRITON_DTYPES else ValueError
         raise error("backend='triton' cannot run these inputs: " + "; ".join(reasons))
-
-
-def _on_device(tensor: torch.Tensor):
-    # Triton launches on the current CUDA device: make it the tensors' device (cuda:1 and beyond).
-    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
 
 
 def _sizes(q: torch.Tensor, coords: torch.Tensor, width: int, height: int) -> dict:
@@ -44,7 +52,7 @@ def _sizes(q: torch.Tensor, coords: torch.Tensor, width: int, height: int) -> di
 
 def _launch(plain_kernel, autotuned_kernel, grid, *args, **sizes):
     # Block shapes must be powers of two; masks cover the padding (head_dim 24 -> 32, 80 -> 128).
-    block_d = max(16, triton.next_power_of_2(sizes["head_dim"]))
+    block_d = max(16, next_power_of_2(sizes["head_dim"]))
     if autotune_enabled():
         autotuned_kernel[grid](*args, **sizes, BLOCK_D=block_d)
     else:
@@ -63,7 +71,7 @@ def deform_sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coord
         return out, lse
     sizes = _sizes(q, coords, width, height)
     grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
-    with _on_device(q):
+    with launch_device(q):
         _launch(deform_sdpa_forward_kernel, deform_sdpa_forward_kernel_autotuned, grid, q, k, v, coords, out, lse,
                 sm_scale * math.log2(math.e), **sizes)
     return out, lse
@@ -84,7 +92,7 @@ def deform_sdpa_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     if q.numel() > 0:
         sizes = _sizes(q, coords, width, height)
         grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
-        with _on_device(q):
+        with launch_device(q):
             _launch(deform_sdpa_backward_kernel, deform_sdpa_backward_kernel_autotuned, grid, q, k, v, coords, out,
                     grad_out, lse, dq, dk, dv, dcoords, sm_scale, sm_scale * math.log2(math.e), **sizes,
                     COORDS_GRAD=coords_grad)

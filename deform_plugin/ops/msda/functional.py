@@ -1,14 +1,19 @@
 """Public entry points of the MSDA op: validate, pick a backend, run it."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
+from torch._C._autograd import _profiler_enabled
+from torch.profiler import record_function
 
-from ..backend import resolve_backend
-from .checks import check_msda_inputs
+from ..backend import registered_backend, resolve_backend
+from .checks import check_fused_msda_inputs, check_msda_inputs, host_level_tables
 from .reference import multi_scale_deformable_attn_reference, sampling_locations_from_offsets
+
+OP_NAME = "msda"
+# The profiler's name for the op's work (entered only while a profiler runs: the range costs a few microseconds).
+PROFILER_RANGE = "deform_plugin::msda"
 
 
 def multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
@@ -23,11 +28,14 @@ def multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch.Tenso
         sampling_locations: ``(B, Q, H, L, P, 2)`` normalized (x, y); pixel = x * w - 0.5 (mmcv's convention).
             Locations outside the map, NaN or infinite contribute zero.
         attention_weights: ``(B, Q, H, L, P)`` weight of each sample (usually a softmax over L*P).
-        backend: ``'auto'``, ``'triton'``, ``'pytorch'``, ``'mmcv'`` or None for the process default
-            (see :mod:`deform_plugin.ops.backend`).
+        backend: ``'auto'``, ``'triton'``, ``'pytorch'``, a registered backend (``'mmcv'`` where mmcv's compiled
+            ops are installed) or None for the process default (see :mod:`deform_plugin.ops.backend`).
 
     Returns:
         ``(B, Q, H*D)`` in the dtype of ``value``.
+
+    The level tables are read on the host once per tensor object (see :mod:`.checks`): pass the same tensors to
+    every call of a forward, as mmdet does, and no call waits for the GPU.
 
     Example:
         >>> value = torch.randn(2, 12 * 20 + 6 * 10, 8, 32)
@@ -38,32 +46,34 @@ def multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch.Tenso
         >>> multi_scale_deformable_attn(value, shapes, starts, loc, weights).shape
         torch.Size([2, 100, 256])
     """
-    # The level-table check reads spatial_shapes on the host: data-dependent, so torch.compile(fullgraph=True)
-    # could not trace it. Compiled graphs skip it (eager calls of the same code have checked the tables).
-    shape = check_msda_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                              check_level_sizes=not torch.compiler.is_compiling())
-    name = resolve_backend(backend, value.device)
-    if shape.batch == 0 or shape.num_queries == 0:
+    shape = check_msda_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    name = resolve_backend(OP_NAME, backend, value.device)
+    if shape.is_empty:
         return value.new_zeros((shape.batch, shape.num_queries, shape.num_heads * shape.head_dim))
+    if _profiling():
+        with record_function(PROFILER_RANGE):
+            return _run(name, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    return _run(name, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+def _profiling() -> bool:
+    # Under torch.compile the profiler sees the compiled graph's own ranges; the flag is not traceable anyway.
+    return not torch.compiler.is_compiling() and _profiler_enabled()
+
+
+def _run(name, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     if name == "triton":
         from .triton_op import multi_scale_deformable_attn_triton
         return multi_scale_deformable_attn_triton(value, spatial_shapes, level_start_index, sampling_locations,
                                                   attention_weights)
-    if name == "mmcv":
-        return _multi_scale_deformable_attn_mmcv(value, spatial_shapes, level_start_index, sampling_locations,
-                                                 attention_weights)
-    return multi_scale_deformable_attn_reference(value, spatial_shapes, level_start_index, sampling_locations,
-                                                 attention_weights)
-
-
-def _multi_scale_deformable_attn_mmcv(value, spatial_shapes, level_start_index, sampling_locations,
-                                      attention_weights):
-    from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction
-
-    # The stock kernel needs batch % im2col_step == 0; gcd(batch, 64) is the largest such step up to its default.
-    im2col_step = math.gcd(value.shape[0], 64)
-    return MultiScaleDeformableAttnFunction.apply(value, spatial_shapes, level_start_index, sampling_locations,
-                                                  attention_weights, im2col_step)
+    if name == "pytorch":
+        if not torch.compiler.is_compiling():
+            # The host copies the checks made: the reference then never reads a table tensor itself.
+            spatial_shapes, level_start_index = host_level_tables(spatial_shapes, level_start_index)
+        return multi_scale_deformable_attn_reference(value, spatial_shapes, level_start_index, sampling_locations,
+                                                     attention_weights)
+    return registered_backend(OP_NAME, name).implementation(value, spatial_shapes, level_start_index,
+                                                            sampling_locations, attention_weights)
 
 
 def fused_multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch.Tensor,
@@ -88,24 +98,17 @@ def fused_multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch
     Returns:
         ``(B, Q, H*D)`` in the dtype of ``value``.
     """
-    if reference_points.dim() != 4 or reference_points.shape[-1] not in (2, 4):
-        raise ValueError("reference_points must be (batch, num_queries, num_levels, 2 or 4), "
-                         f"got shape {tuple(reference_points.shape)}")
-    batch, num_queries, num_heads, num_levels, num_points, _ = (
-        sampling_offsets.shape if sampling_offsets.dim() == 6 else (None,) * 6)
-    if batch is None:
-        raise ValueError("sampling_offsets must be (batch, num_queries, num_heads, num_levels, num_points, 2), "
-                         f"got shape {tuple(sampling_offsets.shape)}")
-    if tuple(reference_points.shape[:3]) != (batch, num_queries, num_levels):
-        raise ValueError(f"reference_points has shape {tuple(reference_points.shape)} but sampling_offsets "
-                         f"implies (batch, queries, levels) = {(batch, num_queries, num_levels)}")
-    name = resolve_backend(backend, value.device)
+    shape = check_fused_msda_inputs(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                                    attention_logits)
+    name = resolve_backend(OP_NAME, backend, value.device)
+    if shape.is_empty:
+        return value.new_zeros((shape.batch, shape.num_queries, shape.num_heads * shape.head_dim))
     if name == "triton":
-        check_msda_inputs(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
-                          check_level_sizes=not torch.compiler.is_compiling())
-        if batch == 0 or num_queries == 0:
-            return value.new_zeros((batch, num_queries, value.shape[2] * value.shape[3]))
         from .triton_op import fused_multi_scale_deformable_attn_triton
+        if _profiling():
+            with record_function(PROFILER_RANGE):
+                return fused_multi_scale_deformable_attn_triton(value, spatial_shapes, level_start_index,
+                                                                reference_points, sampling_offsets, attention_logits)
         return fused_multi_scale_deformable_attn_triton(value, spatial_shapes, level_start_index, reference_points,
                                                         sampling_offsets, attention_logits)
     weights = attention_logits.flatten(-2).softmax(-1).view_as(attention_logits)

@@ -11,19 +11,30 @@ the float64 reference that the Triton kernels are tested against. Gradients come
 """
 from __future__ import annotations
 
+from typing import Sequence, Union
+
 import torch
 
+LevelTable = Union[torch.Tensor, Sequence]
 
-def multi_scale_deformable_attn_reference(value: torch.Tensor, spatial_shapes: torch.Tensor,
-                                          level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
+
+def _on_host(table: LevelTable) -> Sequence:
+    return table.tolist() if isinstance(table, torch.Tensor) else table
+
+
+def multi_scale_deformable_attn_reference(value: torch.Tensor, spatial_shapes: LevelTable,
+                                          level_start_index: LevelTable, sampling_locations: torch.Tensor,
                                           attention_weights: torch.Tensor) -> torch.Tensor:
-    """Reference MSDA. Shapes as in :func:`deform_plugin.ops.multi_scale_deformable_attn`; returns ``(B, Q, H*D)``."""
+    """Reference MSDA. Shapes as in :func:`deform_plugin.ops.multi_scale_deformable_attn`; returns ``(B, Q, H*D)``.
+
+    The level tables may be tensors or their host copies (``((h, w), ...)`` and ``(start, ...)``).
+    """
     batch, _, num_heads, head_dim = value.shape
     _, num_queries, _, _, num_points, _ = sampling_locations.shape
     compute_dtype = torch.promote_types(value.dtype, torch.float32)
     rows = batch * num_heads
     output = value.new_zeros((rows, num_queries, head_dim), dtype=compute_dtype)
-    levels = zip(spatial_shapes.tolist(), level_start_index.tolist())
+    levels = zip(_on_host(spatial_shapes), _on_host(level_start_index))
     for level, ((height, width), start) in enumerate(levels):
         # (B, h*w, H, D) -> (B*H, h*w, D): one gather table per (image, head).
         level_value = value[:, start:start + height * width].to(compute_dtype)

@@ -105,13 +105,15 @@ def _forward_level(acc, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, weigh
     return acc
 
 
-@triton.jit
+# The sizes that follow the image (keys, queries) are not specialised: Triton would otherwise compile a variant per
+# value class (divisible by 16, equal to 1), and a training run on randomly resized images meets every class.
+@triton.jit(do_not_specialize=["num_keys", "num_queries"])
 def msda_forward_kernel(
     value_ptr,        # (B, S, H, D)
     shapes_ptr,       # (L, 2) integer (h, w)
     starts_ptr,       # (L,) integer offset of each level in S
-    loc_ptr,          # (B, Q, H, L, P, 2) normalized locations; raw offsets when FUSED
-    weight_ptr,       # (B, Q, H, L, P) attention weights; raw logits when FUSED
+    loc_ptr,          # (B, Q, H, L, P, 2) normalized locations; the sampling offsets when FUSED
+    weight_ptr,       # (B, Q, H, L, P) attention weights; the attention logits when FUSED
     ref_ptr,          # (B, Q, L, REF_DIM) reference points (FUSED only)
     out_ptr,          # (B, Q, H, D)
     num_keys, num_queries, num_heads, head_dim,
@@ -148,18 +150,18 @@ def msda_forward_kernel(
     tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_keys", "num_queries"])
 def msda_backward_kernel(
     grad_out_ptr,     # (B, Q, H, D)
     value_ptr,        # (B, S, H, D)
     shapes_ptr,       # (L, 2)
     starts_ptr,       # (L,)
-    loc_ptr,          # (B, Q, H, L, P, 2) locations; raw offsets when FUSED
-    weight_ptr,       # (B, Q, H, L, P) weights; raw logits when FUSED
+    loc_ptr,          # (B, Q, H, L, P, 2) locations; the sampling offsets when FUSED
+    weight_ptr,       # (B, Q, H, L, P) weights; the attention logits when FUSED
     ref_ptr,          # (B, Q, L, REF_DIM) (FUSED only)
     grad_value_ptr,   # (B, S, H, D) float32/float64, accumulated atomically (not DETERMINISTIC)
-    grad_loc_ptr,     # (B, Q, H, L, P, 2) grad of locations; of raw offsets when FUSED
-    grad_weight_ptr,  # (B, Q, H, L, P) grad of weights; of raw logits when FUSED
+    grad_loc_ptr,     # (B, Q, H, L, P, 2) grad of locations; of the sampling offsets when FUSED
+    grad_weight_ptr,  # (B, Q, H, L, P) grad of weights; of the attention logits when FUSED
     grad_ref_ptr,     # (B, Q, H, L, REF_DIM) float32/float64 per-head grad of reference points (FUSED only)
     entry_key_ptr,    # (B*Q*H*L*P*4,) int64 grad_value row of each corner, -1 if none (DETERMINISTIC only)
     entry_coef_ptr,   # (B*Q*H*L*P*4,) float coefficient of grad_out in that row (DETERMINISTIC only)

@@ -2,7 +2,7 @@
 
 Registering them lets ``torch.compile(fullgraph=True)`` trace a module that calls the op: the compiler sees one opaque
 op with known output shapes instead of a graph break. Plain eager calls skip the custom-op dispatcher (its Python
-overhead dominated small calls) through an ``autograd.Function`` that runs the very same launchers.
+overhead dominated small calls) through ``autograd.Function``s that run the very same launchers.
 
 Dtypes: ``value`` may be float16, bfloat16, float32 or float64 storage; locations, weights (and the fused path's
 reference points, offsets and logits) may each have any of these dtypes, as they arrive under ``torch.autocast``
@@ -20,6 +20,12 @@ from . import triton_launch
 
 _LIBRARY = "deform_plugin"
 
+
+def _contiguous_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+# ---- plain op: locations and weights ----------------------------------------------------------------------------
 
 @torch.library.custom_op(f"{_LIBRARY}::msda_forward", mutates_args=())
 def _msda_forward_op(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
@@ -39,20 +45,16 @@ def _msda_backward_op(grad_output: torch.Tensor, value: torch.Tensor, spatial_sh
                       level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
                       attention_weights: torch.Tensor, deterministic: bool
                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_value, grad_locations, grad_weights, _ = triton_launch.msda_backward(
-        grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-        deterministic=deterministic)
-    return grad_value, grad_locations, grad_weights
+    return triton_launch.msda_backward(grad_output, value, spatial_shapes, level_start_index, sampling_locations,
+                                       attention_weights, deterministic=deterministic)
 
 
 @_msda_backward_op.register_fake
 def _(grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, deterministic):
-    return (torch.empty_like(value, memory_format=torch.contiguous_format),
-            torch.empty_like(sampling_locations, memory_format=torch.contiguous_format),
-            torch.empty_like(attention_weights, memory_format=torch.contiguous_format))
+    return _contiguous_like(value), _contiguous_like(sampling_locations), _contiguous_like(attention_weights)
 
 
-def _msda_setup_context(ctx, inputs, output):
+def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
 
@@ -64,15 +66,40 @@ def _msda_autograd_backward(ctx, grad_output):
     return grad_value, None, None, grad_locations, grad_weights
 
 
-_msda_forward_op.register_autograd(_msda_autograd_backward, setup_context=_msda_setup_context)
+_msda_forward_op.register_autograd(_msda_autograd_backward, setup_context=_save_inputs)
 
+
+class _EagerMSDA(torch.autograd.Function):
+    """The same forward and backward as the registered op, for eager mode only.
+
+    A ``torch.library`` custom op costs a few hundred microseconds of Python per call on the host (dispatch,
+    autograd wrapper, dynamo-disable guard): measured on an H200, the decoder's forward+backward (Q=900) spent
+    ~1 ms on the host for ~0.1 ms of GPU work. Eager calls take this thin path; traced code takes the custom ops.
+    """
+
+    @staticmethod
+    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+        return triton_launch.msda_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                                          attention_weights)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        value, spatial_shapes, level_start_index, sampling_locations, attention_weights = ctx.saved_tensors
+        grad_value, grad_locations, grad_weights = triton_launch.msda_backward(
+            grad_output, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+            deterministic=torch.are_deterministic_algorithms_enabled())
+        return grad_value, None, None, grad_locations, grad_weights
+
+
+# ---- fused op: reference points, offsets and logits ---------------------------------------------------------------
 
 @torch.library.custom_op(f"{_LIBRARY}::fused_msda_forward", mutates_args=())
 def _fused_msda_forward_op(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
                            reference_points: torch.Tensor, sampling_offsets: torch.Tensor,
                            attention_logits: torch.Tensor) -> torch.Tensor:
-    return triton_launch.msda_forward(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
-                                      reference_points=reference_points)
+    return triton_launch.fused_msda_forward(value, spatial_shapes, level_start_index, reference_points,
+                                            sampling_offsets, attention_logits)
 
 
 @_fused_msda_forward_op.register_fake
@@ -86,17 +113,14 @@ def _fused_msda_backward_op(grad_output: torch.Tensor, value: torch.Tensor, spat
                             level_start_index: torch.Tensor, reference_points: torch.Tensor,
                             sampling_offsets: torch.Tensor, attention_logits: torch.Tensor, deterministic: bool
                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_value, grad_offsets, grad_logits, grad_reference = triton_launch.msda_backward(
-        grad_output, value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
-        reference_points=reference_points, deterministic=deterministic)
-    return grad_value, grad_reference, grad_offsets, grad_logits
+    return triton_launch.fused_msda_backward(grad_output, value, spatial_shapes, level_start_index, reference_points,
+                                             sampling_offsets, attention_logits, deterministic=deterministic)
 
 
 @_fused_msda_backward_op.register_fake
 def _(grad_output, value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits,
       deterministic):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format)
-                 for t in (value, reference_points, sampling_offsets, attention_logits))
+    return tuple(_contiguous_like(t) for t in (value, reference_points, sampling_offsets, attention_logits))
 
 
 def _fused_autograd_backward(ctx, grad_output):
@@ -107,40 +131,33 @@ def _fused_autograd_backward(ctx, grad_output):
     return grad_value, None, None, grad_reference, grad_offsets, grad_logits
 
 
-_fused_msda_forward_op.register_autograd(_fused_autograd_backward, setup_context=_msda_setup_context)
+_fused_msda_forward_op.register_autograd(_fused_autograd_backward, setup_context=_save_inputs)
 
 
-class _EagerMSDA(torch.autograd.Function):
-    """The same forward and backward as the registered ops, for eager mode only.
-
-    A ``torch.library`` custom op costs a few hundred microseconds of Python per call on the host (dispatch,
-    autograd wrapper, dynamo-disable guard): measured on an H200, the decoder's forward+backward (Q=900) spent
-    ~1 ms on the host for ~0.1 ms of GPU work. Eager calls take this thin path; traced code takes the custom ops.
-    """
+class _EagerFusedMSDA(torch.autograd.Function):
+    """The fused op's forward and backward for eager mode (see :class:`_EagerMSDA` for why)."""
 
     @staticmethod
-    def forward(ctx, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                reference_points):
-        ctx.save_for_backward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                              reference_points)
-        ctx.fused = reference_points is not None
-        return triton_launch.msda_forward(value, spatial_shapes, level_start_index, sampling_locations,
-                                          attention_weights, reference_points=reference_points)
+    def forward(ctx, value, spatial_shapes, level_start_index, reference_points, sampling_offsets, attention_logits):
+        ctx.save_for_backward(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                              attention_logits)
+        return triton_launch.fused_msda_forward(value, spatial_shapes, level_start_index, reference_points,
+                                                sampling_offsets, attention_logits)
 
     @staticmethod
     def backward(ctx, grad_output):
-        value, spatial_shapes, level_start_index, locations, weights, reference_points = ctx.saved_tensors
-        grad_value, grad_locations, grad_weights, grad_reference = triton_launch.msda_backward(
-            grad_output, value, spatial_shapes, level_start_index, locations, weights,
-            reference_points=reference_points if ctx.fused else None,
-            deterministic=torch.are_deterministic_algorithms_enabled())
-        return grad_value, None, None, grad_locations, grad_weights, grad_reference
+        grads = triton_launch.fused_msda_backward(grad_output, *ctx.saved_tensors,
+                                                  deterministic=torch.are_deterministic_algorithms_enabled())
+        grad_value, grad_reference, grad_offsets, grad_logits = grads
+        return grad_value, None, None, grad_reference, grad_offsets, grad_logits
 
+
+# ---- entry points -----------------------------------------------------------------------------------------------
 
 def _eager(*tensors: torch.Tensor) -> bool:
+    # Tensor subclasses (FakeTensor, functional tensors of torch.compile's tracing) need the registered ops.
     return not torch.compiler.is_compiling() and not any(
-        isinstance(t, torch.Tensor) and type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
-        for t in tensors)
+        type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) for t in tensors)
 
 
 def multi_scale_deformable_attn_triton(value: torch.Tensor, spatial_shapes: torch.Tensor,
@@ -152,8 +169,7 @@ def multi_scale_deformable_attn_triton(value: torch.Tensor, spatial_shapes: torc
     ``torch.use_deterministic_algorithms(True)``. Returns ``(B, Q, H*D)`` in value's dtype.
     """
     if _eager(value, sampling_locations, attention_weights):
-        return _EagerMSDA.apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
-                                None)
+        return _EagerMSDA.apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     return _msda_forward_op(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
 
@@ -165,7 +181,7 @@ def fused_multi_scale_deformable_attn_triton(value: torch.Tensor, spatial_shapes
     (``reference_points`` ``(B, Q, L, 2)`` points or ``(B, Q, L, 4)`` boxes plus ``sampling_offsets``) run inside the
     kernels. Differentiable in value, reference_points, sampling_offsets and attention_logits."""
     if _eager(value, reference_points, sampling_offsets, attention_logits):
-        return _EagerMSDA.apply(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
-                                reference_points)
+        return _EagerFusedMSDA.apply(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                                     attention_logits)
     return _fused_msda_forward_op(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
                                   attention_logits)

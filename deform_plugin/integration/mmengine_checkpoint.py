@@ -33,7 +33,7 @@ _WRAPPED_FLAG = "__deform_plugin_weights_only_allowlist__"
 _HISTORY_BUFFER_STATISTICS = ("min", "max", "current", "mean")
 
 
-def install() -> None:
+def install_checkpoint_allowlist() -> None:
     """Make mmengine's checkpoint loading accept mmengine's own checkpoints under ``weights_only``. Idempotent."""
     if not hasattr(torch.serialization, "safe_globals"):
         # torch < 2.5 has no allow-list, and before 2.6 torch.load is not weights-only by default anyway.

@@ -13,7 +13,7 @@ import pytest
 import torch
 from mmengine.runner.checkpoint import _load_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
 TRAIN_ITERS = 4
 RESUMED_ITERS = 6

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MICRO_DEFORMABLE_DETR = """
 _base_ = 'mmdet::deformable_detr/deformable-detr-refine_r50_16xb2-50e_coco.py'

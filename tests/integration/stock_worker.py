@@ -1,32 +1,25 @@
 """Runs in a subprocess that never imports deform_plugin: what stock mmdet builds and computes.
 
 Usage:
-    python tests/stock_worker.py count CONFIG [CONFIG ...]       -> JSON {config: number of stock MSDA modules}
-    python tests/stock_worker.py forward CONFIG OUT.pt            -> saves the stock model's state_dict and outputs
+    python tests/integration/stock_worker.py count CONFIG [CONFIG ...]  -> JSON {config: number of stock MSDA modules}
+    python tests/integration/stock_worker.py forward CONFIG OUT.pt       -> saves the stock model's state_dict, outputs
 
-Where mmcv has no compiled ops (mmcv-lite), a bare placeholder ``mmcv._ext`` (not deform_plugin's stand-in) lets
-mmdet import; on the CPU the stock MSDA then runs mmcv's pure-PyTorch path and never calls into it.
+Where mmcv has no compiled ops (mmcv-lite), mmcv_lite.py's placeholder ``mmcv._ext`` (not deform_plugin's stand-in:
+it serves no op) lets mmdet import; on the CPU the stock MSDA then runs mmcv's pure-PyTorch path and never calls it.
+The file is run by path, so that this process never imports the deform_plugin package.
 """
-import importlib.util
 import json
+import runpy
 import sys
-import types
+from pathlib import Path
 
 import torch
 
+MMCV_LITE = Path(__file__).resolve().parents[2] / "deform_plugin" / "integration" / "mmcv_lite.py"
+
 
 def install_bare_ext() -> None:
-    if importlib.util.find_spec("mmcv._ext") is not None:
-        return
-    bare = types.ModuleType("mmcv._ext")
-
-    def __getattr__(name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return lambda *args, **kwargs: None
-
-    bare.__getattr__ = __getattr__
-    sys.modules["mmcv._ext"] = bare
+    runpy.run_path(str(MMCV_LITE))["install_placeholder_ext"]()
 
 
 def load_config(path):

@@ -12,8 +12,8 @@ import deform_plugin  # noqa: F401
 from deform_plugin.models import MultiScaleDeformableAttention as PluginMSDA
 from mmcv.ops import MultiScaleDeformableAttention as StockMSDA
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
 import stock_worker  # noqa: E402
 
 FAMILY_CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*/*_deform-plugin.py"))
@@ -23,7 +23,7 @@ EXPECTED_MSDA = {"deformable-detr": 12, "dino": 12, "ddq": 12, "mask2former": 6,
 
 
 def run_stock(*args):
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "stock_worker.py"), *args], cwd=ROOT,
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "integration" / "stock_worker.py"), *args], cwd=ROOT,
                             capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -75,7 +75,7 @@ def test_stock_checkpoint_loads_and_gives_same_outputs(tmp_path):
 
 
 def test_process_without_plugin_is_unchanged():
-    code = ("import sys; sys.path.insert(0, 'tests'); import stock_worker; stock_worker.install_bare_ext(); "
+    code = ("import sys; sys.path.insert(0, 'tests/integration'); import stock_worker; stock_worker.install_bare_ext(); "
             "import mmdet.models.layers.transformer.deformable_detr_layers as layers; "
             "from mmcv.ops import MultiScaleDeformableAttention as M; from mmengine.registry import MODELS; "
             "assert layers.MultiScaleDeformableAttention is M; "
@@ -91,21 +91,3 @@ def test_registry_name_resolves_to_plugin():
     register_all_modules()
     module = MODELS.build(dict(type="MultiScaleDeformableAttention", embed_dims=64, num_heads=4))
     assert type(module) is PluginMSDA
-
-
-def test_focal_loss_receives_bf16_logits_in_float32():
-    # mmcv's compiled sigmoid focal loss (mmdet's FocalLoss path for CUDA tensors) has no bf16 kernel.
-    import mmdet.models.losses.focal_loss as focal
-    from mmcv.ops import sigmoid_focal_loss as compiled
-    from deform_plugin.integration.mmdet_swap import _sigmoid_focal_loss_accepting_bf16
-    assert focal._sigmoid_focal_loss.wrapped_by_deform_plugin is compiled
-    seen = []
-    spy = _sigmoid_focal_loss_accepting_bf16(lambda input, *args: seen.append((input.dtype, args)) or input)
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        spy(torch.zeros(2, 3, dtype=dtype), torch.zeros(2, dtype=torch.long), 2.0, 0.25, None, "none")
-    assert [d for d, _ in seen] == [torch.float32, torch.float16, torch.float32]
-    assert all(args[1:] == (2.0, 0.25, None, "none") for _, args in seen)
-    logits = torch.randn(6, 4, dtype=torch.bfloat16)
-    labels = torch.randint(0, 5, (6,))
-    torch.testing.assert_close(focal.sigmoid_focal_loss(logits, labels),
-                               focal.sigmoid_focal_loss(logits.float(), labels))

@@ -165,7 +165,7 @@ def test_bad_dtypes_and_backends_raise():
         multi_scale_deformable_attn(value.long(), spatial_shapes, level_start_index, locations, weights)
     with pytest.raises(TypeError, match="spatial_shapes must be an integer tensor"):
         multi_scale_deformable_attn(value, spatial_shapes.float(), level_start_index, locations, weights)
-    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+    with pytest.raises(ValueError, match="msda has no backend 'cuda'"):
         multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locations, weights, backend="cuda")
     with pytest.raises(RuntimeError, match="backend='mmcv'"):
         multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locations, weights, backend="mmcv")
@@ -174,5 +174,5 @@ def test_bad_dtypes_and_backends_raise():
 def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="need a CUDA device"):
-        resolve_backend("triton", torch.device("cpu"))
-    assert resolve_backend("auto", torch.device("cpu")) == "pytorch"
+        resolve_backend("msda", "triton", torch.device("cpu"))
+    assert resolve_backend("msda", "auto", torch.device("cpu")) == "pytorch"

@@ -1,4 +1,4 @@
-"""deform_plugin.integration.checkpoint: mmengine's checkpoints load under torch's weights-only default, and
+"""deform_plugin.integration.mmengine_checkpoint: mmengine's checkpoints load under torch's weights-only default, and
 nothing else gets through."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from mmengine.logging import HistoryBuffer, MessageHub
 from mmengine.runner.checkpoint import CheckpointLoader, _load_checkpoint
 
-from deform_plugin.integration import checkpoint as checkpoint_fix
+from deform_plugin.integration import mmengine_checkpoint as checkpoint_fix
 
 
 def _mmengine_like_checkpoint() -> dict:
@@ -51,9 +51,9 @@ def test_mmengine_loader_reads_it(saved):
 
 
 def test_install_is_idempotent():
-    checkpoint_fix.install()
+    checkpoint_fix.install_checkpoint_allowlist()
     wrapped = CheckpointLoader.__dict__["load_checkpoint"]
-    checkpoint_fix.install()
+    checkpoint_fix.install_checkpoint_allowlist()
     assert CheckpointLoader.__dict__["load_checkpoint"] is wrapped
 
 

@@ -32,7 +32,18 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-FAST_PATH_NAMES = ("sdpa_attention", "hungarian_host_syncs")
+# The mmdet release whose private DETRHead._get_targets_single the fewer-syncs copy below mirrors line for line.
+MIRRORED_MMDET_VERSION = "3.3.0"
+
+
+def check_mirrored_mmdet_version() -> None:
+    """Refuse the mmdet-private copies on an mmdet other than the one they mirror, with a clear message."""
+    import mmdet
+    if mmdet.__version__ != MIRRORED_MMDET_VERSION:
+        raise RuntimeError(
+            f"deform_plugin's hungarian_host_syncs fast path mirrors mmdet {MIRRORED_MMDET_VERSION}'s private "
+            f"DETRHead._get_targets_single, but mmdet {mmdet.__version__} is installed: turn the fast path off "
+            "(FastPathsHook(hungarian_host_syncs=False)) or install mmdet==3.3.0")
 
 
 def _stock_multihead_attention_class():
@@ -170,7 +181,8 @@ def _to_device_without_blocking(host_tensor: torch.Tensor, device: torch.device)
 
 
 def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, img_meta):
-    """``DETRHead._get_targets_single`` taking the positive/negative query indices from the host assignment.
+    """mmdet 3.3.0's ``DETRHead._get_targets_single`` taking the positive/negative query indices from the host
+    assignment.
 
     The stock method finds them with ``torch.nonzero(...).unique()`` on the device: two host syncs per image and
     layer. Where the assigner left ``host_gt_inds`` (the fewer-syncs ``assign``), the same sorted indices come from
@@ -236,23 +248,13 @@ def enable_hungarian_host_syncs(model: nn.Module) -> int:
     Only instances are changed (the classes stay stock), so other models in the process are unaffected.
     Returns the number of assigners changed.
     """
+    check_mirrored_mmdet_version()
     changed = 0
     for assigner in _hungarian_assigners(model):
         assigner.assign = _assign_with_fewer_host_syncs.__get__(assigner)
         changed += 1
     for head in _detr_heads_with_stock_targets(model):
         head._get_targets_single = _detr_targets_single_fewer_syncs.__get__(head)
-    return changed
-
-
-def disable_hungarian_host_syncs(model: nn.Module) -> int:
-    changed = 0
-    for assigner in _hungarian_assigners(model):
-        if "assign" in vars(assigner):
-            del assigner.assign
-            changed += 1
-    for head in _detr_heads_with_stock_targets(model):
-        vars(head).pop("_get_targets_single", None)
     return changed
 
 

@@ -103,7 +103,7 @@ def test_init_weights_is_stock():
 
 
 def test_backend_choices_are_validated():
-    with pytest.raises(ValueError, match="unknown MSDA backend 'cuda'"):
+    with pytest.raises(ValueError, match="msda has no backend 'cuda'"):
         MultiScaleDeformableAttention(backend="cuda")
     _, ours = paired_modules(backend="mmcv")
     inputs = level_inputs(batch=1, queries=2, embed_dims=32, box_reference=False, batch_first=False)

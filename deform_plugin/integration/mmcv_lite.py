@@ -1,4 +1,5 @@
-"""A stand-in for mmcv's compiled extension ``mmcv._ext``, for environments with mmcv-lite.
+"""Everything deform_plugin knows of mmcv-lite: the one answer to "are mmcv's compiled ops present?" and a
+stand-in for mmcv's compiled extension ``mmcv._ext`` where they are not.
 
 mmcv-lite ships mmcv's Python code without the compiled ops, so ``import mmcv.ops`` (and through it
 ``import mmdet.models``) fails: every ``mmcv.ops`` module calls ``ext_loader.load_ext('_ext', [...])`` at import
@@ -10,6 +11,12 @@ time. The stand-in module answers those look-ups:
 * every other op is a callable that raises ``NotImplementedError`` naming the op and how to get it.
 
 It is installed only when no compiled ``mmcv._ext`` can be found, and marks itself with ``__deform_plugin_standin__``.
+
+Processes that must stay free of deform_plugin (the stock side of tests and benchmarks) ask the same questions by
+running this file, which imports only the standard library and torch at module level:
+``python deform_plugin/integration/mmcv_lite.py compiled-ops`` exits 0 when mmcv's compiled ops are present (the
+Makefile asks it before installing mmcv-lite), and :func:`install_placeholder_ext` (reached with
+``runpy.run_path``) lets mmdet import on a CPU with mmcv-lite while serving no op at all.
 """
 from __future__ import annotations
 
@@ -173,12 +180,39 @@ def compiled_mmcv_ops_available() -> bool:
     """True when mmcv's real compiled extension is importable (not our stand-in)."""
     if standin_installed():
         return False
-    if MODULE_NAME in sys.modules:
-        return True
+    module = sys.modules.get(MODULE_NAME)
+    if module is not None:
+        return getattr(module, "__spec__", None) is not None and module.__spec__.loader is not None
+    return _find_compiled_ext()
+
+
+def _find_compiled_ext() -> bool:
     try:
-        return importlib.util.find_spec(MODULE_NAME) is not None
+        return importlib.util.find_spec("mmcv") is not None and importlib.util.find_spec(MODULE_NAME) is not None
     except (ImportError, ValueError):
         return False
+
+
+def install_placeholder_ext() -> bool:
+    """For stock processes on a CPU with mmcv-lite: a bare ``mmcv._ext`` whose every op raises when called.
+
+    mmdet's modules look their ops up at import; mmcv's own CPU paths (its pure-PyTorch MSDA) never call them.
+    Without a loader, mmengine's ``mmcv_full_available()`` still reports False, as it should. Returns whether it
+    was installed (False where compiled ops exist).
+    """
+    if MODULE_NAME in sys.modules or _find_compiled_ext():
+        return False
+    placeholder = types.ModuleType(MODULE_NAME)
+    placeholder.__spec__ = importlib.machinery.ModuleSpec(MODULE_NAME, None)
+
+    def __getattr__(name: str):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return MissingCompiledOp(name)
+
+    placeholder.__getattr__ = __getattr__
+    sys.modules[MODULE_NAME] = placeholder
+    return True
 
 
 def install_mmcv_ext_standin() -> bool:
@@ -195,3 +229,10 @@ def install_mmcv_ext_standin() -> bool:
     if parent is not None:
         setattr(parent, "_ext", module)
     return True
+
+
+if __name__ == "__main__":
+    # `python mmcv_lite.py compiled-ops`: exit status 0 when mmcv's compiled ops are present, 1 otherwise.
+    if sys.argv[1:] != ["compiled-ops"]:
+        raise SystemExit(f"usage: python {sys.argv[0]} compiled-ops")
+    sys.exit(0 if compiled_mmcv_ops_available() else 1)

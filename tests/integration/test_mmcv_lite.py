@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import deform_plugin  # noqa: F401
-from deform_plugin.integration.mmcv_ext import compiled_mmcv_ops_available, standin_installed
+from deform_plugin.integration.mmcv_lite import compiled_mmcv_ops_available, standin_installed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not standin_installed(),
                                 reason="mmcv with compiled ops is installed: the stand-in is not used")
 

@@ -28,7 +28,7 @@ needs_triton = pytest.mark.skipif(TRITON_REASON is not None, reason=f"Triton can
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 needs_mmengine = pytest.mark.skipif(importlib.util.find_spec("mmengine") is None, reason="mmengine not installed")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 # Largest error relative to the largest reference magnitude, per storage dtype (fp32 math inside).
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -120,7 +120,7 @@ def assert_close_to_float64(inputs, width, height, dtype, seed=1):
 
 
 def test_tiny_shapes_cover_several_key_blocks():
-    from deform_plugin.ops.deform_sdpa.triton_kernels import heuristic_block_t
+    from deform_plugin.ops.deform_sdpa.triton_launch import heuristic_block_t
 
     assert any(heuristic_block_t(views * samples, max(16, head_dim)) < views * samples
                for _, views, samples, _, head_dim, _, _ in TINY_SHAPES)
@@ -239,7 +239,7 @@ def test_coords_without_grad_and_custom_op_registration():
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_autotuned_kernels_match_reference(dtype, monkeypatch):
-    from deform_plugin.ops.deform_sdpa.triton_kernels import AUTOTUNE_ENV
+    from deform_plugin.ops.deform_sdpa.triton_launch import AUTOTUNE_ENV
 
     monkeypatch.setenv(AUTOTUNE_ENV, "1")
     shape = (1, 3, 5, 2, 32, 6, 5)
@@ -355,13 +355,30 @@ class TestInputChecks:
 
     def test_non_int_width(self):
         q, k, v, coords = self.inputs()
-        with pytest.raises(TypeError, match=r"width must be an int, got float \(3.0\)"):
+        with pytest.raises(TypeError, match=r"width must be an integer, got float \(3.0\)"):
             deform_sdpa(q, k, v, coords, 3.0, 2)
 
-    def test_mmcv_backend_rejected(self):
+    def test_integral_width_and_height_of_any_integer_type(self):
+        import numpy as np
+        q, k, v, coords = self.inputs(torch.float64)
+        expected = deform_sdpa(q, k, v, coords, 3, 2, backend="pytorch")
+        for width, height in ((np.int64(3), np.int32(2)), (torch.tensor(3), torch.tensor(2, dtype=torch.int32))):
+            torch.testing.assert_close(deform_sdpa(q, k, v, coords, width, height, backend="pytorch"), expected,
+                                       rtol=0, atol=0)
+        with pytest.raises(TypeError, match=r"width must be an integer, got a torch.float32 tensor"):
+            deform_sdpa(q, k, v, coords, torch.tensor(3.0), 2)
+
+    @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+    def test_non_finite_sm_scale_rejected(self, scale):
         q, k, v, coords = self.inputs()
-        with pytest.raises(ValueError, match="backend='mmcv' has no deformable SDPA kernel"):
+        with pytest.raises(ValueError, match=f"sm_scale must be finite, got {scale}"):
+            deform_sdpa(q, k, v, coords, 3, 2, sm_scale=scale)
+
+    def test_mmcv_backend_rejected_listing_only_its_own_backends(self):
+        q, k, v, coords = self.inputs()
+        with pytest.raises(ValueError, match="deform_sdpa has no backend 'mmcv'") as error:
             deform_sdpa(q, k, v, coords, 3, 2, backend="mmcv")
+        assert "'auto', 'triton', 'pytorch' or None" in str(error.value)
 
     @needs_triton
     def test_float64_on_triton_rejected(self):
