@@ -77,9 +77,11 @@ def load_config(config_path: str, work_dir: Optional[str], cfg_options: Optional
 
 
 def enable_amp(cfg: Config, dtype: str) -> None:
+    """Mixed precision as mmdet's ``--amp`` sets it, through ``SyncFreeAmpOptimWrapper``: the same fp16 dynamic loss
+    scaling, no loss scaler for bf16 (it needs none), and a gradient-norm log that does not sync the host."""
     if not torch.cuda.is_available():
         raise SystemExit("--amp needs a GPU: mmengine's AmpOptimWrapper runs on CUDA (or NPU/MLU/MUSA) only")
-    cfg.optim_wrapper.type = "AmpOptimWrapper"
+    cfg.optim_wrapper.type = "SyncFreeAmpOptimWrapper"
     cfg.optim_wrapper.loss_scale = "dynamic"
     cfg.optim_wrapper.dtype = dtype
 

@@ -3,14 +3,21 @@
 - ``MergedParamGroupsOptimWrapperConstructor`` (``optim_wrapper.constructor``): the stock per-parameter
   hyper-parameters in merged param groups, on fused/foreach optimizer kernels.
 - ``FastPathsHook`` (``custom_hooks``): SDPA attention bricks and fewer host syncs in Hungarian matching.
+- ``SyncFreeOptimWrapper`` / ``SyncFreeAmpOptimWrapper`` (``optim_wrapper.type``) and ``DeferredRuntimeInfoHook``
+  (``default_hooks.runtime_info``): no per-iteration host syncs for logging, no loss scaling for bf16.
 """
-from .hooks import FastPathsHook, fast_path_switches_from_config
+from .hooks import DeferredRuntimeInfoHook, FastPathsHook, fast_path_switches_from_config
 from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels,
                                 merge_param_groups)
+from .sync_free import DEFERRED_SCALARS, SyncFreeAmpOptimWrapper, SyncFreeOptimWrapper
 
 __all__ = [
+    "DEFERRED_SCALARS",
+    "DeferredRuntimeInfoHook",
     "FastPathsHook",
     "MergedParamGroupsOptimWrapperConstructor",
+    "SyncFreeAmpOptimWrapper",
+    "SyncFreeOptimWrapper",
     "choose_optimizer_kernels",
     "fast_path_switches_from_config",
     "merge_param_groups",

@@ -1,9 +1,13 @@
-"""A hook that turns on the exact fast paths of ``deform_plugin.integration.mmdet_fast_paths`` for a Runner's model."""
+"""Hooks of the fast training step: the exact fast paths, and loss logging without per-iteration host syncs."""
 from __future__ import annotations
 
-from mmengine.hooks import Hook
+from typing import Optional
+
+from mmengine.hooks import Hook, LoggerHook, RuntimeInfoHook
 from mmengine.logging import print_log
 from mmengine.registry import HOOKS
+
+from .sync_free import DEFERRED_SCALARS
 
 
 @HOOKS.register_module()
@@ -12,7 +16,8 @@ class FastPathsHook(Hook):
 
     Add to a config::
 
-        custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, hungarian_host_syncs=True)]
+        custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True,
+                             sync_free_losses=True)]
 
     Each switch is off unless set. The switches change classes/methods of existing objects only (no new
     parameters), so checkpoints stay interchangeable with stock runs.
@@ -22,12 +27,17 @@ class FastPathsHook(Hook):
         hungarian_host_syncs (bool): ``HungarianAssigner.assign`` builds its result on the host and copies it once,
             without blocking; DETR-family heads take their positive/negative query indices from that host copy
             instead of two ``nonzero()`` syncs.
+        batched_matching (bool): every decoder layer's matching of a step in one cost pass and one copy to the
+            host (turns ``hungarian_host_syncs`` on too).
+        sync_free_losses (bool): the DETR heads' per-layer loss normalisers without host syncs.
     """
 
     priority = "VERY_HIGH"
 
-    def __init__(self, sdpa_attention: bool = False, hungarian_host_syncs: bool = False):
-        self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs))
+    def __init__(self, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
+                 batched_matching: bool = False, sync_free_losses: bool = False):
+        self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs),
+                             batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses))
 
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
@@ -42,3 +52,40 @@ def fast_path_switches_from_config(cfg) -> dict:
         if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
             switches.update({k: bool(v) for k, v in hook_cfg.items() if k not in ("type", "priority")})
     return switches
+
+
+@HOOKS.register_module()
+class DeferredRuntimeInfoHook(RuntimeInfoHook):
+    """mmengine's ``RuntimeInfoHook`` that hands the losses to the message hub once per logging interval.
+
+    The stock hook calls ``.item()`` on every loss every iteration. This one keeps them (and the gradient norm of a
+    ``SyncFree*OptimWrapper``) on the device and copies them in one transfer right before the ``LoggerHook`` of the
+    same run reads them: at its interval, at the end of an epoch and at the end of training. The logged values are
+    the same; between logging iterations the hub's ``train/*`` scalars lag behind. Select it in a config with::
+
+        default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
+
+    Args:
+        interval (int, optional): Flush every this many iterations; None takes the run's ``LoggerHook`` interval.
+    """
+
+    def __init__(self, interval: Optional[int] = None):
+        super().__init__()
+        self.interval = interval
+
+    def before_train(self, runner) -> None:
+        super().before_train(runner)
+        if self.interval is None:
+            loggers = [hook for hook in runner.hooks if isinstance(hook, LoggerHook)]
+            self.interval = loggers[0].interval if loggers else 1
+        DEFERRED_SCALARS.active = True
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs: Optional[dict] = None) -> None:
+        DEFERRED_SCALARS.end_iteration(outputs)
+        if (self.every_n_train_iters(runner, self.interval) or self.end_of_epoch(runner.train_dataloader, batch_idx)
+                or self.is_last_train_iter(runner)):
+            DEFERRED_SCALARS.flush(runner.message_hub)
+
+    def after_train(self, runner) -> None:
+        DEFERRED_SCALARS.flush(runner.message_hub)
+        DEFERRED_SCALARS.active = False

@@ -228,7 +228,22 @@ def install_mmcv_ext_standin() -> bool:
     parent = sys.modules.get("mmcv")
     if parent is not None:
         setattr(parent, "_ext", module)
+    _repair_early_transformer_import()
     return True
+
+
+def _repair_early_transformer_import() -> None:
+    """Give ``mmcv.cnn.bricks.transformer`` the ``MultiScaleDeformableAttention`` it failed to import.
+
+    That module imports MSDA from ``mmcv.ops`` inside ``try``; imported before the stand-in existed, it only warned
+    and left the name out, and mmdet's pixel decoder then fails to import it from there. Now that ``mmcv.ops``
+    imports, the name is put back, so the order of ``import mmcv...`` and ``import deform_plugin`` does not matter.
+    """
+    transformer = sys.modules.get("mmcv.cnn.bricks.transformer")
+    if transformer is None or hasattr(transformer, "MultiScaleDeformableAttention"):
+        return
+    from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttention
+    transformer.MultiScaleDeformableAttention = MultiScaleDeformableAttention
 
 
 if __name__ == "__main__":

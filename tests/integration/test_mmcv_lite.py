@@ -90,3 +90,13 @@ def test_mmcv_msda_function_runs_through_the_standin():
     expected_grads = torch.autograd.grad(expected.sum(), (value, locations, weights))
     for got, want in zip(grads, expected_grads):
         torch.testing.assert_close(got, want)
+
+
+def test_mmcv_imported_before_the_plugin_still_gives_mmdet_its_msda():
+    # mmcv's transformer module imported first (as `from mmcv.cnn.bricks.transformer import ...` in user code does)
+    # misses MultiScaleDeformableAttention; importing deform_plugin afterwards must repair it for mmdet.
+    code = ("import warnings; warnings.simplefilter('ignore'); "
+            "from mmcv.cnn.bricks.transformer import MultiheadAttention; import deform_plugin; "
+            "from mmdet.apis import DetInferencer; import mmdet.models; print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-2000:]

@@ -1,0 +1,61 @@
+"""Opt-in, exact fast paths for the parts of an mmdet training step outside MSDA.
+
+This package is the one place that knows the private structure these fast paths change (mmcv's
+``MultiheadAttention`` brick, mmdet's ``HungarianAssigner`` and DETR heads). Nothing here runs unless a config asks
+for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a tool calling
+:func:`apply_fast_paths`). Each switch changes instances of one model only; each is exact (see its module):
+
+- ``sdpa_attention`` (:mod:`.sdpa_attention`): attention bricks through PyTorch SDPA;
+- ``hungarian_host_syncs`` and ``batched_matching`` (:mod:`.matching`): matching with fewer syncs, and all of a
+  step's matching in one pass;
+- ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs.
+
+The last three replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from torch import nn
+
+from .loss_normalisation import enable_sync_free_losses
+from .matching import enable_batched_matching, enable_hungarian_host_syncs
+from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
+
+# The mmdet release whose private DETRHead methods the copies in this package mirror line for line.
+MIRRORED_MMDET_VERSION = "3.3.0"
+FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses")
+
+__all__ = ["FAST_PATHS", "apply_fast_paths", "check_mirrored_mmdet_version", "disable_sdpa_attention",
+           "enable_sdpa_attention", "sdpa_multihead_attention_class"]
+
+
+def check_mirrored_mmdet_version(switch: str) -> None:
+    """Refuse an mmdet-private copy on an mmdet other than the one it mirrors, with a clear message."""
+    import mmdet
+    if mmdet.__version__ != MIRRORED_MMDET_VERSION:
+        raise RuntimeError(
+            f"deform_plugin's {switch} fast path mirrors private methods of mmdet {MIRRORED_MMDET_VERSION}, but "
+            f"mmdet {mmdet.__version__} is installed: turn it off (FastPathsHook({switch}=False)) or install "
+            f"mmdet=={MIRRORED_MMDET_VERSION}")
+
+
+def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
+                     batched_matching: bool = False, sync_free_losses: bool = False) -> Dict[str, int]:
+    """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
+
+    ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too.
+    """
+    model = getattr(model, "module", model)
+    changed = {}
+    if sdpa_attention:
+        changed["sdpa_attention"] = enable_sdpa_attention(model)
+    if hungarian_host_syncs or batched_matching:
+        check_mirrored_mmdet_version("hungarian_host_syncs")
+        changed["hungarian_host_syncs"] = enable_hungarian_host_syncs(model)
+    if batched_matching:
+        changed["batched_matching"] = enable_batched_matching(model)
+    if sync_free_losses:
+        check_mirrored_mmdet_version("sync_free_losses")
+        changed["sync_free_losses"] = enable_sync_free_losses(model)
+    return changed

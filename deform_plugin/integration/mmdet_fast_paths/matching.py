@@ -1,0 +1,283 @@
+"""Hungarian matching with fewer host syncs (``hungarian_host_syncs``) and all of a step's matching in one pass
+(``batched_matching``).
+
+``hungarian_host_syncs``: mmdet's ``HungarianAssigner.assign`` copies the matched row/column indices to the device
+with two blocking copies and then scatters labels through them; the DETR heads' ``_get_targets_single`` then finds
+the positive and negative queries with two ``nonzero()`` calls (two more host syncs per image and decoder layer). The
+fast path builds the per-query ``gt_inds`` on the host, where scipy's result already is, copies it once from pinned
+memory without blocking, gathers the labels on the device, and lets the DETR heads take their sorted
+positive/negative indices from that host copy. Same cost matrix, same ``linear_sum_assignment`` call, the same
+integers out: bitwise identical assignments and targets.
+
+``batched_matching``: mmdet still matches one (decoder layer, image) pair at a time, each with its own cost-term
+kernels and its own device-to-host copy that waits for the GPU. Before a DETR head's ``loss_by_feat`` runs, the
+fast path computes the cost matrices of every decoder layer of each image in one pass (the cost terms are row-wise,
+so stacking the layers' queries as rows gives each layer's matrix bitwise), copies all of them to the host in one
+transfer, and solves every assignment; the per-layer ``assign`` calls then find their result ready. A call the pass
+did not foresee (another head, the two-stage encoder's proposals) runs as before.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+# A prediction set's identity in the step: its scores' storage address, shape and strides, and the gt instances.
+_PredictionKey = Tuple[int, Tuple[int, ...], Tuple[int, ...], int]
+
+
+def _prediction_key(scores: torch.Tensor, gt_instances) -> _PredictionKey:
+    return scores.data_ptr(), tuple(scores.shape), tuple(scores.stride()), id(gt_instances)
+
+
+def _to_device_without_blocking(host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return host_tensor.to(device)
+    # Pinned memory lets the copy run asynchronously; the caching host allocator keeps the buffer alive until the
+    # copy has completed. A plain tensor.new_tensor(list) on CUDA would wait for the GPU.
+    return host_tensor.pin_memory().to(device, non_blocking=True)
+
+
+def image_size_factor(img_meta: dict, like: torch.Tensor) -> torch.Tensor:
+    """``(1, 4)`` tensor ``[w, h, w, h]`` of the image, in ``like``'s dtype and device, copied without blocking."""
+    img_h, img_w = img_meta["img_shape"]
+    return _to_device_without_blocking(torch.tensor([[img_w, img_h, img_w, img_h]], dtype=like.dtype), like.device)
+
+
+def _assignment_from_host(num_gts: int, host_gt_inds: np.ndarray, gt_labels: torch.Tensor):
+    from mmdet.models.task_modules.assigners.assign_result import AssignResult
+
+    host_gt_inds = torch.from_numpy(host_gt_inds)
+    gt_inds = _to_device_without_blocking(host_gt_inds, gt_labels.device)
+    # labels[q] = gt_labels[gt_inds[q] - 1] for matched queries, -1 elsewhere: the stock scatter, as a gather.
+    matched = gt_inds > 0
+    labels = torch.where(matched, gt_labels[(gt_inds - 1).clamp(min=0)].long(), torch.full_like(gt_inds, -1))
+    result = AssignResult(num_gts=num_gts, gt_inds=gt_inds, max_overlaps=None, labels=labels)
+    # The host copy lets the DETR heads' target builder skip its two nonzero() syncs (see below).
+    result.host_gt_inds = host_gt_inds
+    return result
+
+
+def _solve(cost: np.ndarray) -> np.ndarray:
+    """Per-query ``gt_inds`` (1-based gt index, 0 for background) of the optimal assignment of one cost matrix."""
+    from scipy.optimize import linear_sum_assignment
+    matched_rows, matched_cols = linear_sum_assignment(cost)
+    host_gt_inds = np.zeros(cost.shape[0], dtype=np.int64)
+    host_gt_inds[matched_rows] = matched_cols + 1
+    return host_gt_inds
+
+
+def _assign_with_fewer_host_syncs(self, pred_instances, gt_instances, img_meta: Optional[dict] = None, **kwargs):
+    """``HungarianAssigner.assign`` with the result built on the host and copied once without blocking; a result
+    that batched matching solved ahead is used as it is."""
+    from mmdet.models.task_modules.assigners.assign_result import AssignResult
+
+    num_gts, num_preds = len(gt_instances), len(pred_instances)
+    gt_labels = gt_instances.labels
+    device = gt_labels.device
+    if num_gts == 0 or num_preds == 0:
+        # The stock path's edge cases: all background without gts, all "don't care" without predictions.
+        fill = 0 if num_gts == 0 else -1
+        gt_inds = torch.full((num_preds,), fill, dtype=torch.long, device=device)
+        labels = torch.full((num_preds,), -1, dtype=torch.long, device=device)
+        result = AssignResult(num_gts=num_gts, gt_inds=gt_inds, max_overlaps=None, labels=labels)
+        result.host_gt_inds = torch.full((num_preds,), fill, dtype=torch.long)
+        return result
+
+    solved = getattr(self, "solved_ahead", {}).get(_prediction_key(pred_instances.scores, gt_instances))
+    if solved is not None:
+        return _assignment_from_host(num_gts, solved, gt_labels)
+    # The named ranges cost ~1 us each when no profiler runs; under a profile they split matching's host time into
+    # launching the cost terms, waiting for the device (the copy is a sync), and scipy.
+    with record_function("deform_plugin::matching.cost_terms"):
+        cost = _cost_matrix(self, pred_instances, gt_instances, img_meta)
+    with record_function("deform_plugin::matching.wait_and_copy_to_host"):
+        cost = cost.cpu()
+    with record_function("deform_plugin::matching.scipy"):
+        host_gt_inds = _solve(cost.numpy())
+    return _assignment_from_host(num_gts, host_gt_inds, gt_labels)
+
+
+def _cost_matrix(assigner, pred_instances, gt_instances, img_meta) -> torch.Tensor:
+    # As HungarianAssigner.assign sums its cost terms.
+    costs = [match_cost(pred_instances=pred_instances, gt_instances=gt_instances, img_meta=img_meta)
+             for match_cost in assigner.match_costs]
+    return torch.stack(costs).sum(dim=0).detach()
+
+
+def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, img_meta):
+    """mmdet 3.3.0's ``DETRHead._get_targets_single`` taking the positive/negative query indices from the host
+    assignment.
+
+    The stock method finds them with ``torch.nonzero(...).unique()`` on the device: two host syncs per image and
+    layer, and one more for its image-size factor. Where the assigner left ``host_gt_inds`` (the fewer-syncs
+    ``assign``), the same sorted indices come from numpy and reach the device in one non-blocking copy, as does
+    the factor; everything else is the stock computation.
+    """
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy, bbox_xyxy_to_cxcywh
+    from mmengine.structures import InstanceData
+
+    factor = image_size_factor(img_meta, bbox_pred)
+    num_bboxes = bbox_pred.size(0)
+    bbox_pred = bbox_cxcywh_to_xyxy(bbox_pred) * factor
+    pred_instances = InstanceData(scores=cls_score, bboxes=bbox_pred)
+    assign_result = self.assigner.assign(pred_instances=pred_instances, gt_instances=gt_instances,
+                                         img_meta=img_meta)
+    host_gt_inds = getattr(assign_result, "host_gt_inds", None)
+    if host_gt_inds is None:
+        pos_inds = torch.nonzero(assign_result.gt_inds > 0, as_tuple=False).squeeze(-1).unique()
+        neg_inds = torch.nonzero(assign_result.gt_inds == 0, as_tuple=False).squeeze(-1).unique()
+    else:
+        host = host_gt_inds.numpy()
+        host_pos, host_neg = np.flatnonzero(host > 0), np.flatnonzero(host == 0)  # sorted and unique, as stock
+        both = _to_device_without_blocking(torch.from_numpy(np.concatenate([host_pos, host_neg])),
+                                           bbox_pred.device)
+        pos_inds, neg_inds = both[:len(host_pos)], both[len(host_pos):]
+    gt_bboxes = gt_instances.bboxes
+    gt_labels = gt_instances.labels
+    pos_assigned_gt_inds = assign_result.gt_inds[pos_inds] - 1
+    pos_gt_bboxes = gt_bboxes[pos_assigned_gt_inds.long(), :]
+    labels = gt_bboxes.new_full((num_bboxes,), self.num_classes, dtype=torch.long)
+    labels[pos_inds] = gt_labels[pos_assigned_gt_inds]
+    label_weights = gt_bboxes.new_ones(num_bboxes)
+    bbox_targets = torch.zeros_like(bbox_pred, dtype=gt_bboxes.dtype)
+    bbox_weights = torch.zeros_like(bbox_pred, dtype=gt_bboxes.dtype)
+    bbox_weights[pos_inds] = 1.0
+    bbox_targets[pos_inds] = bbox_xyxy_to_cxcywh(pos_gt_bboxes / factor)
+    return labels, label_weights, bbox_targets, bbox_weights, pos_inds, neg_inds
+
+
+# ---- batched matching --------------------------------------------------------------------------------------------
+
+def solve_ahead(assigner, prediction_sets, batch_gt_instances, batch_img_metas) -> Dict[_PredictionKey, np.ndarray]:
+    """Solve every assignment of ``prediction_sets`` at once: one cost pass per image, one device-to-host copy.
+
+    Args:
+        assigner: the head's ``HungarianAssigner`` (its ``match_costs`` are used as ``assign`` uses them).
+        prediction_sets: ``(cls_scores, bbox_preds)`` pairs shaped ``(num_layers, batch, num_queries, C)`` and
+            ``(num_layers, batch, num_queries, 4)`` (normalized cx, cy, w, h), as the heads' ``loss_by_feat`` get
+            them; a set may also be ``(batch, num_queries, ...)`` (one layer).
+        batch_gt_instances, batch_img_metas: as ``loss_by_feat`` gets them.
+
+    Returns:
+        ``gt_inds`` on the host per (scores view, gt instances) that ``assign`` will be called with.
+    """
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
+    from mmengine.structures import InstanceData
+
+    prediction_sets = [(s, b) if s.dim() == 4 else (s[None], b[None]) for s, b in prediction_sets]
+    flat_costs, blocks = [], []
+    with record_function("deform_plugin::matching.cost_terms"):
+        for image, (gt_instances, img_meta) in enumerate(zip(batch_gt_instances, batch_img_metas)):
+            if len(gt_instances) == 0:
+                continue  # assign's own edge case needs no cost matrix
+            views = [(scores[layer, image], bboxes[layer, image]) for scores, bboxes in prediction_sets
+                     for layer in range(scores.shape[0])]
+            scores = torch.cat([s for s, _ in views])
+            factor = image_size_factor(img_meta, views[0][1])
+            bboxes = bbox_cxcywh_to_xyxy(torch.cat([b for _, b in views])) * factor
+            pred_instances = InstanceData(scores=scores, bboxes=bboxes)
+            cost = _cost_matrix(assigner, pred_instances, gt_instances, img_meta)
+            flat_costs.append(cost.reshape(-1))
+            blocks.append((gt_instances, views, cost.shape))
+    if not flat_costs:
+        return {}
+    with record_function("deform_plugin::matching.wait_and_copy_to_host"):
+        host = torch.cat([c.to(flat_costs[0].dtype) for c in flat_costs]).cpu().numpy()
+    solved = {}
+    with record_function("deform_plugin::matching.scipy"):
+        offset = 0
+        for gt_instances, views, (rows, cols) in blocks:
+            cost = host[offset:offset + rows * cols].reshape(rows, cols)
+            offset += rows * cols
+            row = 0
+            for scores, _ in views:
+                solved[_prediction_key(scores, gt_instances)] = _solve(cost[row:row + scores.shape[0]])
+                row += scores.shape[0]
+    return solved
+
+
+def _loss_by_feat_solving_ahead(head):
+    """``head.loss_by_feat`` that solves the decoder layers' assignments (and DINO's encoder's) before it runs."""
+    from mmdet.models.dense_heads import DINOHead
+
+    loss_by_feat = head.loss_by_feat  # the class's bound method
+    signature = inspect.signature(loss_by_feat)
+
+    def loss_by_feat_solving_ahead(*args, **kwargs):
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        arguments = call.arguments
+        scores, bboxes = arguments["all_layers_cls_scores"], arguments["all_layers_bbox_preds"]
+        sets = []
+        if isinstance(head, DINOHead):
+            matching_scores, matching_bboxes, _, _ = head.split_outputs(scores, bboxes, arguments["dn_meta"])
+            sets.append((matching_scores, matching_bboxes))
+            # DINO matches its encoder's proposals against the same gt instances as the decoder layers.
+            if arguments.get("enc_cls_scores") is not None:
+                sets.append((arguments["enc_cls_scores"], arguments["enc_bbox_preds"]))
+        else:
+            sets.append((scores, bboxes))
+        head.assigner.solved_ahead = solve_ahead(head.assigner, sets, arguments["batch_gt_instances"],
+                                                 arguments["batch_img_metas"])
+        try:
+            return loss_by_feat(*args, **kwargs)
+        finally:
+            # Storage addresses are reused by later steps: a solution must never outlive its step.
+            head.assigner.solved_ahead = {}
+
+    return loss_by_feat_solving_ahead
+
+
+# ---- switching it on ---------------------------------------------------------------------------------------------
+
+def _detr_heads(model: nn.Module, method: str):
+    """DETR-family heads whose ``method`` is one of mmdet's own (subclasses that replace it are left alone)."""
+    from mmdet.models.dense_heads import DeformableDETRHead, DETRHead, DINOHead
+    stock = {getattr(cls, method) for cls in (DETRHead, DeformableDETRHead, DINOHead) if method in vars(cls)}
+    for module in model.modules():
+        if isinstance(module, DETRHead) and getattr(type(module), method) in stock:
+            yield module
+
+
+def _hungarian_assigners(model: nn.Module):
+    from mmdet.models.task_modules.assigners import HungarianAssigner
+    seen = set()
+    for module in model.modules():
+        for value in vars(module).values():
+            if type(value) is HungarianAssigner and id(value) not in seen:
+                seen.add(id(value))
+                yield value
+
+
+def enable_hungarian_host_syncs(model: nn.Module) -> int:
+    """Give every stock ``HungarianAssigner`` held by a module of ``model`` the fewer-syncs ``assign``, and every
+    DETR-family head that uses the stock ``DETRHead._get_targets_single`` the variant that reads its result.
+
+    Only instances are changed (the classes stay stock), so other models in the process are unaffected.
+    Returns the number of assigners changed.
+    """
+    changed = 0
+    for assigner in _hungarian_assigners(model):
+        assigner.assign = _assign_with_fewer_host_syncs.__get__(assigner)
+        changed += 1
+    for head in _detr_heads(model, "_get_targets_single"):
+        head._get_targets_single = _detr_targets_single_fewer_syncs.__get__(head)
+    return changed
+
+
+def enable_batched_matching(model: nn.Module) -> int:
+    """Solve each step's assignments ahead, in one pass, for every DETR-family head with mmdet's own
+    ``loss_by_feat`` and a fewer-syncs ``HungarianAssigner`` (see :func:`enable_hungarian_host_syncs`, which this
+    needs). Returns the number of heads changed."""
+    changed = 0
+    for head in _detr_heads(model, "loss_by_feat"):
+        assigner = getattr(head, "assigner", None)
+        if assigner is not None and "assign" in vars(assigner) and "loss_by_feat" not in vars(head):
+            head.loss_by_feat = _loss_by_feat_solving_ahead(head)
+            changed += 1
+    return changed

@@ -1,0 +1,61 @@
+"""The fast paths are off unless a config selects them, and the fast configs select them."""
+from mmcv.cnn.bricks.transformer import MultiheadAttention
+from torch import nn
+
+import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
+from deform_plugin.engine import FastPathsHook, fast_path_switches_from_config
+from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths, sdpa_multihead_attention_class
+
+
+def _hungarian_assigner():
+    from mmdet.models.task_modules.assigners import HungarianAssigner
+    return HungarianAssigner(match_costs=[dict(type="FocalLossCost", weight=2.0),
+                                          dict(type="BBoxL1Cost", weight=5.0, box_format="xywh"),
+                                          dict(type="IoUCost", iou_mode="giou", weight=2.0)])
+
+
+class _ModelWithBricks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.self_attn = MultiheadAttention(embed_dims=16, num_heads=2, batch_first=True)
+        self.bbox_head = nn.Module()
+        self.bbox_head.assigner = _hungarian_assigner()
+
+
+class _FakeRunner:
+    def __init__(self, model):
+        self.model = model
+
+
+def test_fast_paths_are_off_unless_the_config_asks():
+    from mmengine.config import Config
+    plain = Config(dict(optim_wrapper=dict(type="OptimWrapper", optimizer=dict(type="AdamW", lr=1e-4))))
+    assert fast_path_switches_from_config(plain) == {}
+    assert "constructor" not in plain.optim_wrapper
+    model = _ModelWithBricks()
+    FastPathsHook().before_run(_FakeRunner(model))
+    assert type(model.self_attn) is MultiheadAttention
+    assert "assign" not in vars(model.bbox_head.assigner)
+    assert apply_fast_paths(model) == {}
+    assert type(model.self_attn) is MultiheadAttention
+
+
+def test_fast_paths_hook_switches_only_what_it_is_given():
+    model = _ModelWithBricks()
+    FastPathsHook(sdpa_attention=True).before_run(_FakeRunner(model))
+    assert type(model.self_attn) is sdpa_multihead_attention_class()
+    assert "assign" not in vars(model.bbox_head.assigner)
+    FastPathsHook(hungarian_host_syncs=True).before_run(_FakeRunner(model))
+    assert "assign" in vars(model.bbox_head.assigner)
+
+
+def test_fast_config_selects_everything():
+    import os
+
+    from mmengine.config import Config
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = Config.fromfile(os.path.join(root, "configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"),
+                          import_custom_modules=False)
+    assert cfg.optim_wrapper.constructor == "MergedParamGroupsOptimWrapperConstructor"
+    assert fast_path_switches_from_config(cfg) == dict(sdpa_attention=True, batched_matching=True, sync_free_losses=True)
+    assert cfg.optim_wrapper.paramwise_cfg == dict(custom_keys={"backbone": dict(lr_mult=0.1)})

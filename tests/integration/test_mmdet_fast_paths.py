@@ -1,0 +1,236 @@
+"""The fast paths of the training step give the stock results.
+
+- the SDPA attention brick gives the stock outputs and gradients (float64);
+- the fewer-syncs Hungarian assign, the DETR head's targets from it and batched matching give bitwise the stock
+  assignments, targets and losses;
+- the sync-free loss normalisers give the stock losses.
+"""
+import copy
+
+import pytest
+import torch
+from mmcv.cnn.bricks.transformer import MultiheadAttention
+from torch import nn
+
+import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
+from deform_plugin.integration.mmdet_fast_paths import (apply_fast_paths, disable_sdpa_attention, enable_sdpa_attention,
+                                                        sdpa_multihead_attention_class)
+
+
+# ---- SDPA attention brick -----------------------------------------------------------------------------------------
+
+def _attention_pair(batch_first, attn_drop=0.0):
+    torch.manual_seed(0)
+    stock = MultiheadAttention(embed_dims=32, num_heads=4, attn_drop=attn_drop, batch_first=batch_first).double()
+    fast = copy.deepcopy(stock)
+    assert enable_sdpa_attention(fast) == 1
+    assert type(fast) is sdpa_multihead_attention_class()
+    return stock, fast
+
+
+def _run(module, inputs, kwargs):
+    inputs = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    query, key, query_pos, key_pos = inputs
+    out = module(query=query, key=key, value=key, query_pos=query_pos, key_pos=key_pos, **kwargs)
+    grad_out = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    grads = torch.autograd.grad(out, [query, key, query_pos, key_pos, *module.parameters()], grad_out)
+    return out, grads
+
+
+ATTENTION_CASES = [
+    pytest.param(dict(batch_first=True, num_keys=None, mask=None), id="self-attn-batch-first"),
+    pytest.param(dict(batch_first=False, num_keys=None, mask=None), id="self-attn-seq-first"),
+    pytest.param(dict(batch_first=True, num_keys=None, mask="bool-2d"), id="self-attn-dn-mask"),
+    pytest.param(dict(batch_first=True, num_keys=23, mask="bool-3d"), id="masked-cross-attn"),
+    pytest.param(dict(batch_first=True, num_keys=23, mask="key-padding"), id="cross-attn-key-padding"),
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_sdpa_brick_matches_stock_outputs_and_gradients_float64(case):
+    batch, num_queries, heads = 2, 17, 4
+    num_keys = case["num_keys"] or num_queries
+    stock, fast = _attention_pair(case["batch_first"])
+    generator = torch.Generator().manual_seed(2)
+
+    def tensor(length):
+        shape = (batch, length, 32) if case["batch_first"] else (length, batch, 32)
+        return torch.randn(shape, generator=generator, dtype=torch.float64)
+    query, query_pos = tensor(num_queries), tensor(num_queries)
+    key, key_pos = (query, query_pos) if case["num_keys"] is None else (tensor(num_keys), tensor(num_keys))
+    kwargs = {}
+    if case["mask"] == "bool-2d":  # DINO's denoising mask: True blocks attention
+        mask = torch.rand(num_queries, num_keys, generator=generator) < 0.3
+        mask.fill_diagonal_(False)
+        kwargs["attn_mask"] = mask
+    elif case["mask"] == "bool-3d":  # Mask2Former's masked attention, one map per (image, head)
+        mask = torch.rand(batch * heads, num_queries, num_keys, generator=generator) < 0.5
+        mask[..., 0] = False
+        kwargs["attn_mask"] = mask
+    elif case["mask"] == "key-padding":
+        padding = torch.zeros(batch, num_keys, dtype=torch.bool)
+        padding[1, -5:] = True
+        kwargs["key_padding_mask"] = padding
+    out_stock, grads_stock = _run(stock, [query, key, query_pos, key_pos], kwargs)
+    out_fast, grads_fast = _run(fast, [query, key, query_pos, key_pos], kwargs)
+    torch.testing.assert_close(out_fast, out_stock, rtol=1e-10, atol=1e-11)
+    for g_fast, g_stock in zip(grads_fast, grads_stock):
+        torch.testing.assert_close(g_fast, g_stock, rtol=1e-9, atol=1e-10)
+
+
+def test_sdpa_brick_in_eval_mode_ignores_attention_dropout_like_stock():
+    stock, fast = _attention_pair(batch_first=True, attn_drop=0.1)
+    stock.eval()
+    fast.eval()
+    query = torch.randn(2, 9, 32, dtype=torch.float64)
+    torch.testing.assert_close(fast(query), stock(query), rtol=1e-10, atol=1e-11)
+
+
+def test_sdpa_switch_keeps_parameters_and_state_dict_and_can_be_undone():
+    stock, fast = _attention_pair(batch_first=True)
+    assert list(fast.state_dict()) == list(stock.state_dict())
+    assert disable_sdpa_attention(fast) == 1 and type(fast) is MultiheadAttention
+
+
+# ---- Hungarian matching -------------------------------------------------------------------------------------------
+
+def _hungarian_assigner():
+    from mmdet.models.task_modules.assigners import HungarianAssigner
+    return HungarianAssigner(match_costs=[dict(type="FocalLossCost", weight=2.0),
+                                          dict(type="BBoxL1Cost", weight=5.0, box_format="xywh"),
+                                          dict(type="IoUCost", iou_mode="giou", weight=2.0)])
+
+
+@pytest.mark.parametrize("num_gts", [0, 1, 7, 40], ids=lambda n: f"gts{n}")
+def test_fewer_syncs_assign_is_bitwise_the_stock_assignment(num_gts):
+    from mmengine.structures import InstanceData
+
+    from deform_plugin.integration.mmdet_fast_paths.matching import _assign_with_fewer_host_syncs
+    generator = torch.Generator().manual_seed(num_gts)
+    num_preds, height, width = 30, 64, 96
+    xy = torch.rand(num_preds, 2, generator=generator) * torch.tensor([width, height]) * 0.7
+    pred = InstanceData(scores=torch.randn(num_preds, 5, generator=generator),
+                        bboxes=torch.cat([xy, xy + 5 + torch.rand(num_preds, 2, generator=generator) * 20], 1))
+    gxy = torch.rand(num_gts, 2, generator=generator) * torch.tensor([width, height]) * 0.7
+    gt = InstanceData(bboxes=torch.cat([gxy, gxy + 5 + torch.rand(num_gts, 2, generator=generator) * 20], 1),
+                      labels=torch.randint(0, 5, (num_gts,), generator=generator))
+    meta = dict(img_shape=(height, width))
+    assigner = _hungarian_assigner()
+    stock = assigner.assign(pred_instances=pred, gt_instances=gt, img_meta=meta)
+    fast = _assign_with_fewer_host_syncs(assigner, pred_instances=pred, gt_instances=gt, img_meta=meta)
+    assert fast.num_gts == stock.num_gts
+    assert torch.equal(fast.gt_inds, stock.gt_inds) and fast.gt_inds.dtype == stock.gt_inds.dtype
+    assert torch.equal(fast.labels, stock.labels) and fast.labels.dtype == stock.labels.dtype
+    if num_gts:
+        assert int((stock.gt_inds > 0).sum()) == min(num_gts, num_preds)
+
+
+@pytest.mark.parametrize("num_gts", [0, 3, 25], ids=lambda n: f"gts{n}")
+def test_detr_head_targets_from_host_assignment_are_bitwise_stock(num_gts):
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+    from mmengine.structures import InstanceData
+    register_all_modules(init_default_scope=True)
+    head = MODELS.build(dict(
+        type="DeformableDETRHead", num_classes=5, embed_dims=32, sync_cls_avg_factor=False,
+        loss_cls=dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=2.0),
+        train_cfg=dict(assigner=dict(type="HungarianAssigner", match_costs=[
+            dict(type="FocalLossCost", weight=2.0), dict(type="BBoxL1Cost", weight=5.0, box_format="xywh"),
+            dict(type="IoUCost", iou_mode="giou", weight=2.0)]))))
+    holder = nn.Module()
+    holder.bbox_head = head
+    generator = torch.Generator().manual_seed(num_gts)
+    num_queries, height, width = 20, 48, 80
+    cls_score = torch.randn(num_queries, 5, generator=generator)
+    bbox_pred = torch.rand(num_queries, 4, generator=generator) * 0.5 + 0.1
+    gxy = torch.rand(num_gts, 2, generator=generator) * torch.tensor([width, height]) * 0.6
+    gt = InstanceData(bboxes=torch.cat([gxy, gxy + 4 + torch.rand(num_gts, 2, generator=generator) * 15], 1),
+                      labels=torch.randint(0, 5, (num_gts,), generator=generator))
+    meta = dict(img_shape=(height, width))
+    stock = head._get_targets_single(cls_score, bbox_pred, gt, meta)
+    assert apply_fast_paths(holder, hungarian_host_syncs=True) == {"hungarian_host_syncs": 1}
+    assert "_get_targets_single" in vars(head)
+    fast = head._get_targets_single(cls_score, bbox_pred, gt, meta)
+    for name, a, b in zip(("labels", "label_weights", "bbox_targets", "bbox_weights", "pos_inds", "neg_inds"),
+                          stock, fast):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert len(stock[4]) == min(num_gts, num_queries)
+
+
+# ---- batched matching and sync-free losses ------------------------------------------------------------------------
+
+def _detr_head(kind):
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+    register_all_modules(init_default_scope=True)
+    assigner = dict(type="HungarianAssigner", match_costs=[
+        dict(type="FocalLossCost", weight=2.0), dict(type="BBoxL1Cost", weight=5.0, box_format="xywh"),
+        dict(type="IoUCost", iou_mode="giou", weight=2.0)])
+    common = dict(num_classes=5, embed_dims=32, sync_cls_avg_factor=True,
+                  loss_cls=dict(type="FocalLoss", use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=2.0),
+                  loss_bbox=dict(type="L1Loss", loss_weight=5.0), loss_iou=dict(type="GIoULoss", loss_weight=2.0),
+                  train_cfg=dict(assigner=assigner))
+    if kind == "dino":
+        return MODELS.build(dict(type="DINOHead", **common))
+    return MODELS.build(dict(type="DeformableDETRHead", share_pred_layer=False, num_pred_layer=3,
+                             as_two_stage=True, **common))
+
+
+def _loss_inputs(kind, num_gts_per_image, seed=0):
+    from mmengine.structures import InstanceData
+    generator = torch.Generator().manual_seed(seed)
+    layers, batch, queries, height, width = 3, len(num_gts_per_image), 12, 48, 80
+    # DINO's denoising part: one group of a positive and a negative query per gt of the fullest image.
+    num_denoising = 2 * max(num_gts_per_image) if kind == "dino" else 0
+    total = queries + num_denoising
+    gts, metas = [], []
+    for num_gts in num_gts_per_image:
+        xy = torch.rand(num_gts, 2, generator=generator) * torch.tensor([width, height]) * 0.6
+        gts.append(InstanceData(bboxes=torch.cat([xy, xy + 4 + torch.rand(num_gts, 2, generator=generator) * 15], 1),
+                                labels=torch.randint(0, 5, (num_gts,), generator=generator)))
+        metas.append(dict(img_shape=(height, width)))
+    cls_scores = torch.randn(layers, batch, total, 5, generator=generator)
+    bbox_preds = torch.rand(layers, batch, total, 4, generator=generator) * 0.5 + 0.1
+    enc_cls = torch.randn(batch, queries, 5, generator=generator)
+    enc_bbox = torch.rand(batch, queries, 4, generator=generator) * 0.5 + 0.1
+    args = dict(all_layers_cls_scores=cls_scores, all_layers_bbox_preds=bbox_preds, enc_cls_scores=enc_cls,
+                enc_bbox_preds=enc_bbox, batch_gt_instances=gts, batch_img_metas=metas)
+    if kind == "dino":
+        args["dn_meta"] = dict(num_denoising_queries=num_denoising, num_denoising_groups=1)
+    return args
+
+
+@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("num_gts", [(3, 5), (0, 4)], ids=["gts3-5", "gts0-4"])
+def test_batched_matching_and_sync_free_losses_give_the_stock_losses_bitwise(kind, num_gts, monkeypatch):
+    from deform_plugin.integration.mmdet_fast_paths import matching
+    stock_head = _detr_head(kind)
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.bbox_head = fast_head
+    changed = apply_fast_paths(holder, batched_matching=True, sync_free_losses=True)
+    assert changed == {"hungarian_host_syncs": 1, "batched_matching": 1, "sync_free_losses": 1}
+    cost_passes = []
+    original = matching._cost_matrix
+    monkeypatch.setattr(matching, "_cost_matrix", lambda *a, **k: cost_passes.append(1) or original(*a, **k))
+    inputs = _loss_inputs(kind, num_gts)
+    stock = stock_head.loss_by_feat(**inputs)
+    fast = fast_head.loss_by_feat(**inputs)
+    assert list(fast) == list(stock)
+    for name in stock:
+        assert torch.equal(fast[name], stock[name]), name
+    # One cost pass per image with gts for every decoder layer (and DINO's encoder) together; the two-stage
+    # encoder of Deformable-DETR matches binary proposals, one pass per image with gts, as before.
+    images_with_gts = sum(n > 0 for n in num_gts)
+    assert len(cost_passes) == images_with_gts * (2 if kind == "deformable-detr-two-stage" else 1)
+    assert fast_head.assigner.solved_ahead == {}  # nothing outlives the step
+
+
+def test_fast_paths_refuse_another_mmdet_version(monkeypatch):
+    import mmdet
+    monkeypatch.setattr(mmdet, "__version__", "3.2.0")
+    holder = nn.Module()
+    holder.bbox_head = _detr_head("dino")
+    with pytest.raises(RuntimeError, match=r"mirrors private methods of mmdet 3.3.0, but mmdet 3.2.0 is installed"):
+        apply_fast_paths(holder, batched_matching=True)
+    assert apply_fast_paths(holder, sdpa_attention=True) == {"sdpa_attention": 0}
