@@ -6,6 +6,7 @@ generation happens when the dataloader or evaluator is built.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 from mmdet.datasets import CocoDataset
@@ -34,6 +35,7 @@ class ShapesCocoDataset(CocoDataset):
             kwargs["data_root"] = str(ensure_shapes_dataset(cache_root))
         kwargs.setdefault("ann_file", f"annotations/instances_{split}.json")
         kwargs.setdefault("data_prefix", dict(img=f"{split}/"))
+        _refuse_inherited_coco_paths(kwargs["data_root"], kwargs["ann_file"], "ShapesCocoDataset")
         super().__init__(**kwargs)
 
 
@@ -51,4 +53,19 @@ class ShapesCocoMetric(CocoMetric):
     def __init__(self, split: str = "val", cache_root: Optional[str] = None, **kwargs) -> None:
         if "ann_file" not in kwargs:
             kwargs["ann_file"] = str(ensure_shapes_dataset(cache_root) / "annotations" / f"instances_{split}.json")
+        _refuse_inherited_coco_paths("", kwargs["ann_file"], "ShapesCocoMetric")
         super().__init__(**kwargs)
+
+
+def _refuse_inherited_coco_paths(data_root: str, ann_file: str, type_name: str) -> None:
+    """A clear error where the paths came from a stock COCO config rather than from the shapes set.
+
+    A config that inherits a stock mmdet config and only changes ``type`` keeps the base's ``data_root`` and
+    ``ann_file`` (mmengine merges dicts key by key), which point at COCO files that are not there.
+    """
+    path = Path(data_root) / ann_file
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{type_name} got ann_file {str(path)!r}, which does not exist: it looks inherited from a COCO config. "
+            f"Replace the whole dataset/evaluator dict with `_delete_=True` (dict(_delete_=True, type='{type_name}', "
+            "...)) so the shapes set's own paths are used; configs/shapes/ has a complete example.")

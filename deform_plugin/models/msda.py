@@ -8,15 +8,20 @@ op decides where the softmax and the location arithmetic run.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttention as MMCVMultiScaleDeformableAttention
+from mmengine.logging import print_log
 from mmengine.registry import MODELS
 from mmengine.utils import deprecated_api_warning
 
-from deform_plugin.ops import fused_multi_scale_deformable_attn
-from deform_plugin.ops.backend import validate_backend_name
+from deform_plugin.ops import fused_multi_scale_deformable_attn, get_default_backend
+from deform_plugin.ops.backend import resolve_backend, validate_backend_name
+
+_live_modules: "weakref.WeakSet[MultiScaleDeformableAttention]" = weakref.WeakSet()
+_reported_backends = set()
 
 
 class MultiScaleDeformableAttention(MMCVMultiScaleDeformableAttention):
@@ -57,6 +62,17 @@ class MultiScaleDeformableAttention(MMCVMultiScaleDeformableAttention):
                          im2col_step=im2col_step, dropout=dropout, batch_first=batch_first, norm_cfg=norm_cfg,
                          init_cfg=init_cfg, value_proj_ratio=value_proj_ratio)
         self.backend = backend
+        _live_modules.add(self)
+
+    def _report_backend_once(self, device: torch.device) -> None:
+        # One INFO line per process and (requested backend, device): that the plugin runs, and what 'auto' chose.
+        requested = self.backend if self.backend is not None else get_default_backend()
+        if (requested, device) in _reported_backends:
+            return
+        _reported_backends.add((requested, device))
+        print_log(f"deform_plugin: {len(_live_modules)} MultiScaleDeformableAttention modules run deform_plugin's "
+                  f"op; backend {requested!r} resolves to {resolve_backend('msda', self.backend, device)!r} on "
+                  f"{device}", logger="current")
 
     def extra_repr(self) -> str:
         return (f"embed_dims={self.embed_dims}, num_heads={self.num_heads}, num_levels={self.num_levels}, "
@@ -87,6 +103,8 @@ class MultiScaleDeformableAttention(MMCVMultiScaleDeformableAttention):
             spatial_shapes: ``(num_levels, 2)`` (h, w) of each level.
             level_start_index: ``(num_levels,)`` start of each level in ``value``.
         """
+        if not torch.compiler.is_compiling():
+            self._report_backend_once(query.device)
         if value is None:
             value = query
         if identity is None:

@@ -129,3 +129,17 @@ def test_stock_pytorch_function_is_what_we_compare_against():
     starts = torch.tensor([0, 42, 54])
     torch.testing.assert_close(multi_scale_deformable_attn(value, spatial_shapes, starts, locations, weights),
                                multi_scale_deformable_attn_pytorch(value, spatial_shapes, locations, weights))
+
+
+def test_first_forward_says_the_plugin_runs_and_which_backend_auto_chose(monkeypatch):
+    from deform_plugin.models import msda as msda_module
+    messages = []
+    monkeypatch.setattr(msda_module, "print_log", lambda message, **kwargs: messages.append(message))
+    monkeypatch.setattr(msda_module, "_reported_backends", set())
+    _, ours = paired_modules(backend="auto")
+    inputs = level_inputs(batch=1, queries=2, embed_dims=32, box_reference=False, batch_first=False)
+    ours(**inputs)
+    ours(**inputs)
+    assert len(messages) == 1, messages
+    assert "MultiScaleDeformableAttention modules run deform_plugin's op; backend 'auto' resolves to 'pytorch' on " \
+        "cpu" in messages[0]

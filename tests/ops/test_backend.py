@@ -1,0 +1,52 @@
+"""Backend choice: per-op tables, the process default and the environment variable."""
+import pytest
+import torch
+
+from deform_plugin.ops import backend
+
+
+@pytest.fixture
+def default_from_environment(monkeypatch):
+    """The process default as a fresh process would read it from DEFORM_PLUGIN_BACKEND."""
+    def read(value):
+        monkeypatch.setattr(backend, "_default_backend", backend._UNSET)
+        if value is None:
+            monkeypatch.delenv(backend.BACKEND_ENV, raising=False)
+        else:
+            monkeypatch.setenv(backend.BACKEND_ENV, value)
+        return backend.get_default_backend()
+    yield read
+
+
+def test_environment_variable_sets_the_default(default_from_environment):
+    assert default_from_environment("pytorch") == "pytorch"
+    assert default_from_environment(None) == "auto"
+
+
+@pytest.mark.parametrize("empty", ["", "  "], ids=["empty", "blank"])
+def test_empty_environment_variable_means_unset(default_from_environment, empty):
+    assert default_from_environment(empty) == "auto"
+
+
+def test_bad_environment_variable_is_named_in_the_error(default_from_environment):
+    with pytest.raises(ValueError, match=r"environment variable DEFORM_PLUGIN_BACKEND = 'garbage' is not a backend"):
+        default_from_environment("garbage")
+
+
+def test_each_op_lists_only_its_own_backends():
+    import deform_plugin  # noqa: F401  (the integration registers MSDA's 'mmcv' backend where mmcv is present)
+    assert backend.backend_names("deform_sdpa") == ("auto", "triton", "pytorch")
+    assert backend.backend_names("msda")[:3] == ("auto", "triton", "pytorch")
+    with pytest.raises(ValueError, match="deform_sdpa has no backend 'mmcv'"):
+        backend.resolve_backend("deform_sdpa", "mmcv", torch.device("cpu"))
+
+
+def test_a_default_an_op_does_not_offer_counts_as_auto(monkeypatch):
+    import deform_plugin  # noqa: F401
+    monkeypatch.setattr(backend, "_default_backend", "mmcv")
+    assert backend.resolve_backend("deform_sdpa", None, torch.device("cpu")) == "pytorch"
+
+
+def test_builtin_names_cannot_be_registered():
+    with pytest.raises(ValueError, match="built in"):
+        backend.register_backend("msda", "triton", lambda *a: None, lambda device: None)
