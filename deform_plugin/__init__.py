@@ -10,10 +10,16 @@
 
 The ops (:mod:`deform_plugin.ops`) need only torch (and triton for the Triton backend).
 """
-from .integration import install_openmmlab_integration
+import importlib.util
+
+from .integration import install_openmmlab_integration, openmmlab_installed
 from .ops import default_backend, get_default_backend, set_default_backend
 from .version import __version__
 
 __all__ = ["__version__", "default_backend", "get_default_backend", "set_default_backend"]
 
-install_openmmlab_integration()
+if openmmlab_installed():
+    install_openmmlab_integration()
+    from . import engine, models  # noqa: F401,E402  (registers the modules, optimizer wrappers and hooks)
+    if importlib.util.find_spec("mmdet") is not None:
+        from . import datasets  # noqa: F401,E402  (registers the embedded dataset)

@@ -10,20 +10,20 @@
 import importlib.util
 
 
+def openmmlab_installed() -> bool:
+    return importlib.util.find_spec("mmcv") is not None and importlib.util.find_spec("mmengine") is not None
+
+
 def install_openmmlab_integration() -> None:
-    """What ``import deform_plugin`` does where mmcv and mmengine are installed (nothing otherwise)."""
-    if importlib.util.find_spec("mmcv") is None or importlib.util.find_spec("mmengine") is None:
-        return
+    """The stand-in, the backend, the checkpoint allow-list and mmdet's patches (call where mmcv and mmengine are
+    installed; the mmdet patches wait for mmdet's modules to be imported)."""
     from .mmcv_lite import install_mmcv_ext_standin
     install_mmcv_ext_standin()
     from .mmcv_msda_backend import register_mmcv_msda_backend
     register_mmcv_msda_backend()
     from .mmengine_checkpoint import install_checkpoint_allowlist
     install_checkpoint_allowlist()
-    from .. import engine, models  # noqa: F401  (registers the modules, optimizer constructor and hooks)
     from .mmdet_focal_loss import install_bf16_focal_loss
     from .mmdet_msda_sites import install_msda_construction_sites
     install_msda_construction_sites()
     install_bf16_focal_loss()
-    if importlib.util.find_spec("mmdet") is not None:
-        from .. import datasets  # noqa: F401  (registers the embedded dataset)
