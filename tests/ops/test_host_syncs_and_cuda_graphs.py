@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deform_plugin.ops import deform_sdpa, fused_multi_scale_deformable_attn, multi_scale_deformable_attn
-from deform_plugin.ops.msda.checks import level_table_host_reads
+from deform_plugin.ops.msda.level_tables import level_table_host_reads, make_level_tables
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
@@ -94,6 +94,19 @@ def test_no_per_call_host_read_of_the_tables(fused):
             value, locations, weights = (t.detach().cpu() for t in _plain_inputs(generator))
             multi_scale_deformable_attn(value, shapes, starts, locations, weights, backend="pytorch")
     assert _CountingTable.reads == 2  # the first call read each table once; the three others read nothing
+
+
+def test_tables_made_on_the_host_are_never_read_and_are_reused():
+    generator = torch.Generator().manual_seed(5)
+    before = level_table_host_reads()
+    shapes, starts = make_level_tables(LEVELS, DEVICE)
+    assert make_level_tables(LEVELS, DEVICE)[0] is shapes  # the same sizes give the same tensors
+    expected_shapes, expected_starts = _tables()
+    assert torch.equal(shapes, expected_shapes) and torch.equal(starts, expected_starts)
+    value, locations, weights = _plain_inputs(generator)
+    out = multi_scale_deformable_attn(value, shapes, starts, locations, weights)
+    out.sum().backward()
+    assert level_table_host_reads() == before
 
 
 def test_tables_changed_in_place_are_validated_again():

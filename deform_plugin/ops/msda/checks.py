@@ -3,19 +3,17 @@
 Both public entry points validate before choosing a backend, so a bad call fails the same way whichever kernel
 would have run it, with a message that names the offending values.
 
-The level tables (``spatial_shapes``, ``level_start_index``) can only be checked against ``value`` on the host. A
-table tensor is read at most once, the first time that tensor object (at that version) is seen; later calls with
-the same tensor reuse the host copy, so a steady-state call on CUDA tensors never waits for the device, and a call
-whose tables were seen before can be captured in a CUDA graph. mmdet builds the tables once per forward and passes
-the same tensors to every layer.
+The level tables (``spatial_shapes``, ``level_start_index``) can only be checked against ``value`` on the host:
+:mod:`.level_tables` reads each table tensor at most once.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
-from typing import Dict, Sequence, Tuple
+from typing import Dict, Sequence
 
 import torch
+
+from .level_tables import host_level_tables
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -36,48 +34,6 @@ class MSDAShape:
     @property
     def is_empty(self) -> bool:
         return self.batch == 0 or self.num_queries == 0
-
-
-class _HostCopies:
-    """Host copies of small device tensors, keyed by tensor object and version, dropped when the tensor dies.
-
-    Keyed by ``id`` with a weak reference rather than a ``WeakKeyDictionary``: tensors compare elementwise, so they
-    cannot be dictionary keys that are compared by ``==``.
-    """
-
-    def __init__(self):
-        self._entries: Dict[int, Tuple[weakref.ref, int, tuple]] = {}
-        self.reads = 0
-
-    def get(self, tensor: torch.Tensor, name: str) -> tuple:
-        key = id(tensor)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is tensor and entry[1] == tensor._version:
-            return entry[2]
-        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise ValueError(f"{name} is a tensor this op has not validated yet, and a CUDA graph is being captured, "
-                             "where it cannot be read: run the call once outside the capture first (the usual "
-                             "warm-up), so that the capture reuses the validated tables")
-        values = tuple(tuple(row) if isinstance(row, list) else row for row in tensor.tolist())
-        self.reads += 1
-        entries = self._entries
-        entries[key] = (weakref.ref(tensor, lambda _, key=key: entries.pop(key, None)), tensor._version, values)
-        return values
-
-
-_host_copies = _HostCopies()
-
-
-def level_table_host_reads() -> int:
-    """How many times a level table has been read on the host in this process (each read may wait for the GPU)."""
-    return _host_copies.reads
-
-
-def host_level_tables(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor
-                      ) -> Tuple[Tuple[Tuple[int, int], ...], Tuple[int, ...]]:
-    """``((h, w) per level, start per level)`` on the host, reading each table tensor at most once."""
-    return (_host_copies.get(spatial_shapes, "spatial_shapes"),
-            _host_copies.get(level_start_index, "level_start_index"))
 
 
 def _check_tensor_types(named: Dict[str, object], float_names: Sequence[str]) -> None:

@@ -8,7 +8,8 @@ from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from ..backend import registered_backend, resolve_backend
-from .checks import check_fused_msda_inputs, check_msda_inputs, host_level_tables
+from .checks import check_fused_msda_inputs, check_msda_inputs
+from .level_tables import host_level_tables
 from .reference import multi_scale_deformable_attn_reference, sampling_locations_from_offsets
 
 OP_NAME = "msda"
