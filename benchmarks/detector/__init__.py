@@ -1,0 +1,1 @@
+"""Whole-detector benchmarks (training and inference of mmdet configs)."""

@@ -1,0 +1,223 @@
+"""Training throughput measured inside mmengine's own loop: an ``IterationTimerHook`` for ``custom_hooks``.
+
+The hook adds no host synchronisation to an ordinary iteration. It synchronises the device (where there is one)
+and reads the clock only at window boundaries: once in ``before_train`` (after every other hook's, so the first
+window counts worker start-up and the first batch, as a user waits for them), and after the iterations that end a
+window or precede one. A window ``(a, b)`` (1-based, inclusive) spans from the end of iteration ``a - 1`` (for
+``a = 1``, the start of training) to the end of iteration ``b``, every hook of those iterations included.
+
+Where ``deform_plugin`` is already imported (never imported from here), it also records how many Triton kernel
+variants our ops have compiled: after ``warmup_iters`` iterations and at the end.
+
+The result goes to a JSON file: ``out_file``, else ``$DEFORM_PLUGIN_TIMING_JSON``, else
+``<work_dir>/iteration_timing.json``. Usable from a config without deform_plugin::
+
+    custom_imports = dict(imports=['benchmarks.detector.iteration_timer'], allow_failed_imports=False)
+    custom_hooks = [dict(type='IterationTimerHook', windows=[(1, 20), (1, 100), (51, 100)])]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from mmengine.dist import is_main_process
+from mmengine.hooks import Hook
+from mmengine.logging import print_log
+from mmengine.registry import HOOKS
+
+TIMING_FILE_ENV = "DEFORM_PLUGIN_TIMING_JSON"
+DEFAULT_WINDOWS = ((1, 20), (1, 100), (51, 100))
+PLUGIN_MODULE = "deform_plugin"
+
+
+def validate_windows(windows: Sequence[Sequence[int]]) -> List[Tuple[int, int]]:
+    """Windows as ``(first, last)`` int pairs, 1-based and inclusive; a ValueError names any bad one."""
+    checked = []
+    for window in windows:
+        if len(window) != 2 or not all(isinstance(v, int) for v in window) or not 1 <= window[0] <= window[1]:
+            raise ValueError(f"window {window!r} is not (first, last) iterations with 1 <= first <= last")
+        checked.append((int(window[0]), int(window[1])))
+    if not checked:
+        raise ValueError("at least one window is needed")
+    return checked
+
+
+def images_in_batch(data_batch) -> int:
+    """How many images a batch from mmengine's collate holds (``dict(inputs=[...], ...)``)."""
+    inputs = data_batch.get("inputs") if isinstance(data_batch, dict) else data_batch
+    if isinstance(inputs, torch.Tensor):
+        return int(inputs.shape[0])
+    if isinstance(inputs, (list, tuple)):
+        return len(inputs)
+    raise TypeError(f"cannot count the images of a batch of type {type(data_batch).__name__}: expected "
+                    "mmengine's dict(inputs=list or tensor, ...)")
+
+
+def compiled_variants_if_loaded() -> Optional[Dict[str, int]]:
+    """Compiled Triton variants per deform_plugin kernel, or None where deform_plugin is not imported."""
+    if PLUGIN_MODULE not in sys.modules:
+        return None
+    from deform_plugin.ops.compile_stats import compiled_variants
+    return compiled_variants()
+
+
+def mmcv_ext_kind() -> str:
+    """What serves mmcv's compiled ops in this process: compiled, a stand-in, a placeholder, or nothing yet."""
+    module = sys.modules.get("mmcv._ext")
+    if module is None:
+        return "not loaded"
+    if getattr(module, "__deform_plugin_standin__", False):
+        return "deform_plugin stand-in (mmcv-lite)"
+    spec = getattr(module, "__spec__", None)
+    if spec is None or spec.loader is None:
+        return "placeholder without ops (mmcv-lite)"
+    return "compiled"
+
+
+@HOOKS.register_module()
+class IterationTimerHook(Hook):
+    """Images per second over windows of training iterations, with device syncs at window boundaries only.
+
+    Args:
+        windows: ``(first, last)`` iteration pairs, 1-based and inclusive. A window the run does not reach is
+            reported with ``img_per_s=None``.
+        warmup_iters: after this iteration, the compiled-kernel count is read (no sync: compiling is host work);
+            new compiles after it show kernels that recompile in the steady state.
+        out_file: the JSON file to write; ``None`` uses ``$DEFORM_PLUGIN_TIMING_JSON`` or the work dir.
+        expect_plugin: ``False`` fails the run if deform_plugin was imported (a stock run must stay stock);
+            ``True`` fails it if deform_plugin was not; ``None`` checks nothing.
+        label: a name carried into the JSON (the benchmark row).
+        clock: seconds as a float; ``time.perf_counter`` unless a test passes its own.
+    """
+
+    priority = "VERY_LOW"  # last among the hooks of an iteration, so a window holds all of their work
+
+    def __init__(self, windows: Sequence[Sequence[int]] = DEFAULT_WINDOWS, warmup_iters: int = 20,
+                 out_file: Optional[str] = None, expect_plugin: Optional[bool] = None, label: Optional[str] = None,
+                 clock: Optional[Callable[[], float]] = None) -> None:
+        self.windows = validate_windows(windows)
+        self.warmup_iters = int(warmup_iters)
+        self.out_file = out_file
+        self.expect_plugin = expect_plugin
+        self.label = label
+        self.clock = clock or time.perf_counter
+        self.boundaries = sorted({first - 1 for first, _ in self.windows} | {last for _, last in self.windows})
+        self._boundary_set = frozenset(self.boundaries)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._uses_cuda = False
+        self._images = 0
+        self._last_iter = 0
+        self._marks: Dict[int, Tuple[float, int]] = {}  # iteration -> (clock, images so far)
+        self._compiles_after_warmup: Optional[Dict[str, int]] = None
+
+    def _check_plugin(self, when: str) -> None:
+        loaded = PLUGIN_MODULE in sys.modules
+        if self.expect_plugin is False and loaded:
+            raise RuntimeError(f"deform_plugin was imported {when} in a run that must stay stock mmdet/mmcv")
+        if self.expect_plugin is True and not loaded:
+            raise RuntimeError(f"deform_plugin was not imported {when} in a run that should use it")
+
+    def _mark(self, iteration: int) -> None:
+        if self._uses_cuda:
+            torch.cuda.synchronize()
+        self._marks[iteration] = (self.clock(), self._images)
+
+    def before_train(self, runner) -> None:
+        self._check_plugin("before training")
+        if runner.iter != 0:
+            raise RuntimeError(f"IterationTimerHook times runs from iteration 0; this one resumes at {runner.iter}")
+        self._reset()
+        self._uses_cuda = torch.cuda.is_available()
+        if self._uses_cuda:
+            torch.cuda.reset_peak_memory_stats()
+        self._mark(0)
+
+    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
+        iteration = batch_idx + 1
+        self._images += images_in_batch(data_batch)
+        self._last_iter = iteration
+        if iteration in self._boundary_set:
+            self._mark(iteration)
+        if iteration == self.warmup_iters:
+            self._compiles_after_warmup = compiled_variants_if_loaded()
+
+    def window_results(self) -> List[dict]:
+        """One dict per window: iterations, images, seconds, img/s and ms/iter (None where not reached)."""
+        results = []
+        for first, last in self.windows:
+            start, end = self._marks.get(first - 1), self._marks.get(last)
+            entry = dict(first=first, last=last, iterations=last - first + 1, images=None, seconds=None,
+                         img_per_s=None, ms_per_iter=None)
+            if start is not None and end is not None:
+                seconds = end[0] - start[0]
+                images = end[1] - start[1]
+                entry.update(images=images, seconds=seconds, img_per_s=images / seconds if seconds > 0 else None,
+                             ms_per_iter=1000.0 * seconds / entry["iterations"])
+            results.append(entry)
+        return results
+
+    def summary(self, runner) -> dict:
+        compiles_end = compiled_variants_if_loaded()
+        after_warmup = self._compiles_after_warmup
+        optim_wrapper = getattr(runner, "optim_wrapper", None)
+        cast_dtype = getattr(optim_wrapper, "cast_dtype", None)
+        return dict(
+            label=self.label,
+            iterations_run=self._last_iter,
+            images_run=self._images,
+            windows=self.window_results(),
+            warmup_iters=self.warmup_iters,
+            deform_plugin_loaded=PLUGIN_MODULE in sys.modules,
+            compiled_variants_after_warmup=after_warmup,
+            compiled_variants_end=compiles_end,
+            compiled_total=None if compiles_end is None else sum(compiles_end.values()),
+            compiled_after_warmup=(None if compiles_end is None or after_warmup is None
+                                   else sum(compiles_end.values()) - sum(after_warmup.values())),
+            optim_wrapper=None if optim_wrapper is None else type(optim_wrapper).__name__,
+            amp_dtype=None if cast_dtype is None else str(cast_dtype).replace("torch.", ""),
+            msda_modules=_msda_module_classes(getattr(runner, "model", None)),
+            mmcv_ext=mmcv_ext_kind(),
+            torch=torch.__version__,
+            device="cuda" if self._uses_cuda else "cpu",
+            device_name=torch.cuda.get_device_name() if self._uses_cuda else "cpu",
+            cuda=torch.version.cuda if self._uses_cuda else None,
+            peak_allocated_mib=(torch.cuda.max_memory_allocated() / 2 ** 20) if self._uses_cuda else None,
+            peak_reserved_mib=(torch.cuda.max_memory_reserved() / 2 ** 20) if self._uses_cuda else None,
+        )
+
+    def output_path(self, runner) -> Path:
+        named = self.out_file or os.environ.get(TIMING_FILE_ENV)
+        return Path(named) if named else Path(runner.work_dir) / "iteration_timing.json"
+
+    def after_train(self, runner) -> None:
+        self._check_plugin("after training")
+        result = self.summary(runner)
+        if is_main_process():
+            path = self.output_path(runner)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(result, indent=2))
+            print_log(f"IterationTimerHook: wrote {path}", logger="current")
+        for window in result["windows"]:
+            if window["img_per_s"] is not None:
+                print_log(f"IterationTimerHook: iterations {window['first']}-{window['last']}: "
+                          f"{window['img_per_s']:.2f} img/s, {window['ms_per_iter']:.1f} ms/iter", logger="current")
+
+
+def _msda_module_classes(model) -> Dict[str, int]:
+    """How many modules of each multi-scale deformable attention class the model holds (which MSDA ran)."""
+    counts: Dict[str, int] = {}
+    if model is None:
+        return counts
+    for module in model.modules():
+        cls = type(module)
+        if "MultiScaleDeformableAttention" in cls.__name__:
+            name = f"{cls.__module__}.{cls.__qualname__}"
+            counts[name] = counts.get(name, 0) + 1
+    return counts

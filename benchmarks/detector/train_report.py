@@ -1,0 +1,194 @@
+"""The report of the user-path training benchmark: a machine line, one table row per (config, row), files.
+
+Per row: steady-state img/s (and ms/iter), img/s over the whole run and over the first iterations, the ratio of
+whole-run to steady img/s (how much warm-up costs), our Triton kernels' compiled variants (and how many appeared
+after the warm-up window), peak device memory, and the steady-state speedup against the config's first row.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+from .coco_source import CocoSource
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COMMIT_ENV = "DEFORM_PLUGIN_COMMIT"
+REPORT_NAME = "train_benchmark"
+CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
+              "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
+              "peak_allocated_mib", "speedup", "amp_dtype", "iters", "batch_size", "workers")
+
+
+def repo_commit() -> str:
+    """``$DEFORM_PLUGIN_COMMIT`` (a copy without .git names its commit so), else this checkout's short HEAD
+    (``+dirty`` with uncommitted changes to tracked files), else ``'unknown'``."""
+    named = os.environ.get(COMMIT_ENV)
+    if named:
+        return named
+
+    def git(*argv: str) -> str:
+        try:
+            return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def package_version(*names: str) -> str:
+    """``name version`` of the first of ``names`` installed (mmcv or mmcv-lite), or ``name ?``."""
+    for name in names:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return f"{names[0]} ?"
+
+
+def machine_info(results: Sequence[dict]) -> Dict[str, Optional[str]]:
+    """The machine as the rows saw it (device and CUDA from the first row that ran) plus package versions."""
+    timings = [r["timing"] for r in results if r.get("timing")]
+    stock = [r["timing"] for r in results if r.get("timing") and r["row"].startswith("stock")]
+    return dict(
+        device=timings[0]["device_name"] if timings else "unknown (no row ran)",
+        cuda=timings[0]["cuda"] if timings else None,
+        stock_mmcv_ops=stock[0]["mmcv_ext"] if stock else None,
+        torch=package_version("torch"),
+        triton=package_version("triton"),
+        mmcv=package_version("mmcv", "mmcv-lite"),
+        mmengine=package_version("mmengine"),
+        mmdet=package_version("mmdet"),
+        python=platform.python_version(),
+        commit=repo_commit(),
+    )
+
+
+def machine_line(info: Dict[str, Optional[str]]) -> str:
+    device = info["device"] + (f" (CUDA {info['cuda']})" if info.get("cuda") else "")
+    mmcv = info["mmcv"] + (f", stock ops: {info['stock_mmcv_ops']}" if info.get("stock_mmcv_ops") else "")
+    return " | ".join([device, info["torch"], info["triton"], mmcv, info["mmengine"], info["mmdet"],
+                       f"python {info['python']}", f"commit {info['commit']}"])
+
+
+def _window(timing: dict, window) -> Optional[dict]:
+    for entry in timing["windows"]:
+        if (entry["first"], entry["last"]) == tuple(window):
+            return entry
+    return None
+
+
+def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
+    """The figures of one row (None where the row failed or a window was not reached)."""
+    metrics = dict(config=Path(result["config"]).name, row=result["row"], status=result["status"],
+                   steady_img_s=None, steady_ms_per_iter=None, all_img_s=None, first_img_s=None,
+                   all_over_steady=None, compiled_total=None, compiled_after_warmup=None, peak_allocated_mib=None,
+                   speedup=None, amp_dtype=None)
+    timing = result.get("timing")
+    if not timing:
+        return metrics
+    figures = {name: _window(timing, window) or {} for name, window in windows.items()}
+    steady = figures["steady"].get("img_per_s")
+    metrics.update(
+        steady_img_s=steady,
+        steady_ms_per_iter=figures["steady"].get("ms_per_iter"),
+        all_img_s=figures["all"].get("img_per_s"),
+        first_img_s=figures["first"].get("img_per_s"),
+        compiled_total=timing.get("compiled_total"),
+        compiled_after_warmup=timing.get("compiled_after_warmup"),
+        peak_allocated_mib=timing.get("peak_allocated_mib"),
+        amp_dtype=timing.get("amp_dtype"),
+    )
+    if steady and metrics["all_img_s"]:
+        metrics["all_over_steady"] = metrics["all_img_s"] / steady
+    return metrics
+
+
+def summarize(results: Sequence[dict], settings, source: CocoSource) -> dict:
+    """Metrics per row with speedups against the first row of the same config, plus machine and settings."""
+    windows = settings.windows()
+    rows = [row_metrics(r, windows) for r in results]
+    baselines: Dict[str, Optional[float]] = {}
+    for metrics in rows:
+        baselines.setdefault(metrics["config"], metrics["steady_img_s"])
+        baseline = baselines[metrics["config"]]
+        if baseline and metrics["steady_img_s"]:
+            metrics["speedup"] = metrics["steady_img_s"] / baseline
+    return dict(
+        timestamp=datetime.datetime.now().isoformat(timespec="seconds"),
+        machine=machine_info(results),
+        settings=dict(iters=settings.iters, batch_size=settings.batch_size, workers=settings.workers,
+                      windows={name: list(w) for name, w in windows.items()}),
+        source=dict(root=str(source.root), images=source.num_images, seed=source.seed),
+        rows=rows,
+        results=list(results),
+    )
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(report: dict) -> str:
+    """The Markdown report: machine line, settings, the table, and the log tail of every failed row."""
+    windows = report["settings"]["windows"]
+    first, whole, steady = (windows[n] for n in ("first", "all", "steady"))
+    settings = report["settings"]
+    lines = [
+        f"**Machine:** {machine_line(report['machine'])}",
+        "",
+        f"**Run:** {settings['iters']} iterations per row, batch {settings['batch_size']}, "
+        f"{settings['workers']} dataloader workers; synthetic COCO-like set of {report['source']['images']} "
+        f"images (seed {report['source']['seed']}) through each config's own train pipeline. Steady state: "
+        f"iterations {steady[0]}-{steady[1]}.",
+        "",
+        f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
+        f"| img/s it {whole[0]}-{whole[1]} | img/s it {first[0]}-{first[1]} | {whole[0]}-{whole[1]} / steady "
+        f"| compiled kernels (new after it {first[1]}) | peak MiB | speedup |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for m in report["rows"]:
+        compiled = "-" if m["compiled_total"] is None else (
+            f"{m['compiled_total']} ({_fmt(m['compiled_after_warmup'], 'd')})")
+        lines.append(
+            f"| {m['config']} | {m['row']} | {m['status']} | {_fmt(m['steady_img_s'])} "
+            f"| {_fmt(m['steady_ms_per_iter'], '.1f')} | {_fmt(m['all_img_s'])} | {_fmt(m['first_img_s'])} "
+            f"| {_fmt(m['all_over_steady'])} | {compiled} | {_fmt(m['peak_allocated_mib'], '.0f')} "
+            f"| {_fmt(m['speedup'], '.2f', 'x')} |")
+    failed = [r for r in report["results"] if r["status"] != "ok"]
+    for result in failed:
+        lines += ["", f"**{Path(result['config']).name} {result['row']} failed** (log: {result['log']}):", "",
+                  "```", result["error"] or "", "```"]
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(report: dict, out_dir: Path) -> str:
+    """Write ``train_benchmark.{json,md}`` (this run) and append to ``train_benchmark.csv``; return the Markdown."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2, default=str))
+    text = markdown(report)
+    (out_dir / f"{REPORT_NAME}.md").write_text(text)
+    csv_path = out_dir / f"{REPORT_NAME}.csv"
+    new_file = not csv_path.exists()
+    common = dict(timestamp=report["timestamp"], commit=report["machine"]["commit"],
+                  device=report["machine"]["device"], **{k: report["settings"][k]
+                                                         for k in ("iters", "batch_size", "workers")})
+    with open(csv_path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        if new_file:
+            writer.writeheader()
+        for metrics in report["rows"]:
+            writer.writerow({**common, **{k: round(v, 4) if isinstance(v, float) else v for k, v in metrics.items()}})
+    return text
+

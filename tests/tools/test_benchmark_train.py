@@ -1,0 +1,277 @@
+"""The user-path training benchmark (tools/benchmark_train.py, benchmarks/detector/): the synthetic COCO-like
+source, the overlay configs of stock and our rows, the timing hook's windows, and one tiny CPU run of both rows.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import cv2
+import numpy as np
+import pytest
+
+from benchmarks.detector import coco_source, user_path
+from benchmarks.detector.iteration_timer import IterationTimerHook
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FAST_DDETR = REPO_ROOT / "configs" / "fast" / "deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py"
+FAST_MASK2FORMER = REPO_ROOT / "configs" / "fast" / "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py"
+PANOPTIC = REPO_ROOT / "configs" / "mask2former" / "mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin.py"
+TINY_COCO_CONFIG = Path(__file__).parent / "configs" / "deformable-detr-refine_r18_tiny_1xb2_coco-format.py"
+SOURCE_IMAGES = 24
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> coco_source.CocoSource:
+    return coco_source.ensure_coco_source(tmp_path_factory.mktemp("coco_cache"), num_images=SOURCE_IMAGES, seed=0)
+
+
+def merged_overlay(tmp_path: Path, config: Path, row_text: str, source, settings=None):
+    """The overlay of ``row_text`` on ``config``, written and loaded back as mmengine merges it."""
+    row = user_path.parse_row(row_text)
+    base = user_path.read_base_config(config)
+    overlay = user_path.overlay_settings(base, row, source, settings or user_path.Settings(), tmp_path / "t.json")
+    path = tmp_path / f"{row.side}-{row.mode}.py"
+    path.write_text(user_path.render_overlay(config, overlay, row))
+    return base, user_path.read_base_config(path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The synthetic COCO-like source
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_coco_source_is_a_valid_coco_set(source):
+    from pycocotools.coco import COCO
+    coco = COCO(str(source.ann_path))
+    assert len(coco.imgs) == SOURCE_IMAGES
+    assert [(c["id"], c["name"]) for c in coco.loadCats(coco.getCatIds())] == list(coco_source.COCO_CATEGORIES)
+    for image_id, info in coco.imgs.items():
+        image = cv2.imread(str(source.root / source.image_dir / info["file_name"]))
+        assert image is not None, info["file_name"]
+        assert image.shape[:2] == (info["height"], info["width"])
+        assert (info["height"], info["width"]) in coco_source.IMAGE_SIZES
+        anns = coco.loadAnns(coco.getAnnIds(imgIds=[image_id]))
+        assert coco_source.OBJECTS_PER_IMAGE[0] <= len(anns) <= coco_source.OBJECTS_PER_IMAGE[1]
+        for ann in anns:
+            x, y, w, h = ann["bbox"]
+            assert 0 <= x and 0 <= y and x + w <= info["width"] and y + h <= info["height"]
+            assert w >= coco_source.MIN_OBJECT_SIDE - 1 and h >= coco_source.MIN_OBJECT_SIDE - 1
+            assert ann["area"] > 0 and ann["iscrowd"] == 0
+            assert len(ann["segmentation"]) == 1 and len(ann["segmentation"][0]) >= 6
+            assert coco.annToMask(ann).sum() > 0  # the polygon rasterises, as LoadAnnotations(with_mask) needs
+
+
+def test_coco_categories_are_mmdets():
+    import deform_plugin  # noqa: F401  (mmdet.datasets imports mmcv.ops: the stand-in where mmcv-lite is installed)
+    from mmdet.datasets import CocoDataset
+    assert tuple(name for _, name in coco_source.COCO_CATEGORIES) == CocoDataset.METAINFO["classes"]
+
+
+def test_coco_source_is_deterministic_and_cached(tmp_path):
+    first = coco_source.ensure_coco_source(tmp_path / "a", num_images=3, seed=5)
+    second = coco_source.ensure_coco_source(tmp_path / "b", num_images=3, seed=5)
+    files = sorted(p.relative_to(first.root) for p in first.root.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(second.root) for p in second.root.rglob("*") if p.is_file())
+    assert all((first.root / f).read_bytes() == (second.root / f).read_bytes() for f in files)
+    stamp = first.ann_path.stat().st_mtime_ns
+    assert coco_source.ensure_coco_source(tmp_path / "a", num_images=3, seed=5).root == first.root
+    assert first.ann_path.stat().st_mtime_ns == stamp  # found, not regenerated
+    other_seed = coco_source.ensure_coco_source(tmp_path / "a", num_images=3, seed=6)
+    assert other_seed.root != first.root and other_seed.ann_path.read_bytes() != first.ann_path.read_bytes()
+
+
+@pytest.mark.parametrize("config", [FAST_DDETR, FAST_MASK2FORMER], ids=["deformable-detr", "mask2former-instance"])
+def test_config_pipeline_loads_the_source(tmp_path, source, config):
+    """The config's own train pipeline (multi-scale resize and crop; LSJ with polygon masks) runs on the source."""
+    import deform_plugin  # noqa: F401  (mmdet.datasets imports mmcv.ops: the stand-in where mmcv-lite is installed)
+    from mmdet.registry import DATASETS
+    from mmdet.utils import register_all_modules
+    register_all_modules()
+    _, cfg = merged_overlay(tmp_path, config, "stock:fp32", source)
+    dataset = DATASETS.build(cfg.train_dataloader.dataset)
+    assert len(dataset) == SOURCE_IMAGES
+    np.random.seed(0)  # the random resize and crop draw from numpy's global generator
+    samples = [dataset[i] for i in range(3)]
+    assert sum(len(s["data_samples"].gt_instances) for s in samples) > 0
+    for sample in samples:
+        assert sample["inputs"].ndim == 3
+        instances = sample["data_samples"].gt_instances
+        if config == FAST_MASK2FORMER:  # polygon masks through the LSJ resize and 1024 crop
+            assert len(instances.masks) == len(instances.bboxes)
+            assert (instances.masks.height, instances.masks.width) == tuple(sample["inputs"].shape[1:])
+            assert max(instances.masks.height, instances.masks.width) <= 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Overlay configs
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_stock_overlay_strips_every_plugin_piece_and_keeps_the_pipeline(tmp_path, source):
+    settings = user_path.Settings(iters=7, batch_size=3, workers=2)
+    base, cfg = merged_overlay(tmp_path, FAST_DDETR, "stock:fp32", source, settings)
+    assert user_path.plugin_references(base.to_dict())  # the fast config does name deform_plugin ...
+    assert user_path.plugin_references(cfg.to_dict()) == []  # ... and the stock overlay no longer does
+    assert cfg.custom_imports.imports == [user_path.TIMER_MODULE]
+    assert [hook.type for hook in cfg.custom_hooks] == [user_path.TIMER_HOOK]
+    assert cfg.custom_hooks[0].expect_plugin is False
+    expected_optim = {k: v for k, v in base.optim_wrapper.to_dict().items() if k != "constructor"}
+    assert cfg.optim_wrapper.to_dict() == expected_optim
+    loader, base_loader = cfg.train_dataloader, base.train_dataloader
+    assert loader.dataset.pipeline == base_loader.dataset.pipeline
+    assert loader.dataset.type == "CocoDataset" and loader.dataset.filter_cfg == base_loader.dataset.filter_cfg
+    assert (loader.dataset.data_root, loader.dataset.ann_file) == (source.data_root, source.ann_file)
+    assert loader.dataset.data_prefix.img == source.image_dir
+    assert (loader.batch_size, loader.num_workers, loader.persistent_workers) == (3, 2, True)
+    assert loader.sampler.to_dict() == dict(type="InfiniteSampler", shuffle=True)
+    assert loader.batch_sampler == base_loader.batch_sampler
+    assert cfg.train_cfg.to_dict() == dict(type="IterBasedTrainLoop", max_iters=7, val_interval=user_path.NEVER)
+    for key in ("val_dataloader", "val_evaluator", "val_cfg", "test_dataloader", "test_evaluator", "test_cfg"):
+        assert cfg[key] is None, key
+    assert cfg.default_hooks.checkpoint.save_last is False and cfg.default_hooks.checkpoint.by_epoch is False
+    assert cfg.model.backbone.init_cfg is None and base.model.backbone.init_cfg.type == "Pretrained"
+    assert cfg.load_from is None and cfg.randomness.seed == 0
+    assert cfg.model.encoder == base.model.encoder  # the model is the user's
+
+
+def test_our_overlay_keeps_the_plugin_pieces(tmp_path, source):
+    base, cfg = merged_overlay(tmp_path, FAST_MASK2FORMER, "ours:bf16", source)
+    assert cfg.custom_imports.imports == ["deform_plugin", "deform_plugin.engine", user_path.TIMER_MODULE]
+    assert [hook.type for hook in cfg.custom_hooks] == ["FastPathsHook", user_path.TIMER_HOOK]
+    assert cfg.custom_hooks[0] == base.custom_hooks[0] and cfg.custom_hooks[1].expect_plugin is True
+    assert cfg.optim_wrapper == base.optim_wrapper
+    assert cfg.optim_wrapper.constructor == user_path.MERGED_CONSTRUCTOR
+    assert cfg.train_dataloader.dataset.pipeline == base.train_dataloader.dataset.pipeline
+    assert cfg.train_dataloader.dataset.data_prefix.seg == base.train_dataloader.dataset.data_prefix.seg
+    assert cfg.train_cfg.type == "IterBasedTrainLoop" and "dynamic_intervals" not in cfg.train_cfg
+
+
+def test_pretrained_init_cfgs_are_dropped_wherever_they_are():
+    pretrained = dict(type="Pretrained", checkpoint="torchvision://resnet50")
+    kaiming = dict(type="Kaiming", layer="Conv2d")
+    model = dict(type="M", init_cfg=[kaiming, pretrained], backbone=dict(depth=50, init_cfg=pretrained),
+                 heads=[dict(type="H", init_cfg=pretrained), dict(type="H")], neck=dict(init_cfg=kaiming))
+    assert user_path.pretrained_overrides(model) == dict(
+        init_cfg=[kaiming], backbone=dict(init_cfg=None), heads=[dict(type="H", init_cfg=None), dict(type="H")])
+
+
+def test_panoptic_and_non_coco_configs_are_refused():
+    with pytest.raises(user_path.UnsupportedConfig, match="panoptic PNG"):
+        user_path.check_supported(user_path.read_base_config(PANOPTIC), PANOPTIC)
+    demo = REPO_ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
+    with pytest.raises(user_path.UnsupportedConfig, match="ShapesCocoDataset"):
+        user_path.check_supported(user_path.read_base_config(demo), demo)
+
+
+def test_row_commands_use_each_sides_script(tmp_path):
+    stock = user_path.row_command(user_path.parse_row("stock:bf16"), tmp_path / "o.py", tmp_path / "w")
+    assert stock[1:3] == ["-m", user_path.STOCK_LAUNCHER]
+    assert stock[-3:] == ["--amp", "--cfg-options", "optim_wrapper.dtype=bfloat16"]
+    ours = user_path.row_command(user_path.parse_row("ours:fp16"), tmp_path / "o.py", tmp_path / "w")
+    assert ours[1] == str(REPO_ROOT / "tools" / "train.py") and ours[-2:] == ["--amp-dtype", "float16"]
+    assert "--amp" not in user_path.row_command(user_path.parse_row("ours:fp32"), tmp_path / "o.py", tmp_path / "w")
+    with pytest.raises(Exception, match="side 'mmcv'.*mode 'tf32'"):
+        user_path.parse_row("mmcv:tf32")
+
+
+def test_default_windows_follow_the_iterations():
+    assert user_path.Settings(iters=100).windows() == dict(first=(1, 20), all=(1, 100), steady=(51, 100))
+    assert user_path.Settings(iters=3, first_iters=1, steady_start=2).windows() == dict(
+        first=(1, 1), all=(1, 3), steady=(2, 3))
+    with pytest.raises(ValueError, match="first <= last"):
+        user_path.Settings(iters=10, steady_start=11).windows()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The timing hook, on a fake runner
+# ---------------------------------------------------------------------------------------------------------------------
+
+class FakeClock:
+    """Seconds that advance only when the test says; counts how often the hook read it."""
+
+    def __init__(self):
+        self.now, self.reads = 100.0, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+
+def run_fake_training(hook, iterations, seconds_per_iter=0.5, images_per_iter=2, tmp_path=None):
+    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=None, optim_wrapper=None)
+    hook.before_train(runner)
+    for batch_idx in range(iterations):
+        hook.clock.now += seconds_per_iter
+        hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=[None] * images_per_iter))
+    hook.after_train(runner)
+    return runner
+
+
+def test_timer_windows_sync_only_at_boundaries(tmp_path):
+    clock = FakeClock()
+    out = tmp_path / "timing.json"
+    hook = IterationTimerHook(windows=[(1, 2), (1, 6), (4, 6), (5, 9)], warmup_iters=2, out_file=str(out),
+                              clock=clock)
+    run_fake_training(hook, iterations=6, tmp_path=tmp_path)
+    assert hook.boundaries == [0, 2, 3, 4, 6, 9]
+    assert clock.reads == 5  # before training and after iterations 2, 3, 4 and 6; 9 is never reached
+    result = json.loads(out.read_text())
+    windows = {(w["first"], w["last"]): w for w in result["windows"]}
+    assert windows[(1, 2)]["images"] == 4 and windows[(1, 2)]["seconds"] == pytest.approx(1.0)
+    assert windows[(1, 6)]["img_per_s"] == pytest.approx(12 / 3.0)
+    assert windows[(4, 6)]["img_per_s"] == pytest.approx(6 / 1.5)
+    assert windows[(4, 6)]["ms_per_iter"] == pytest.approx(500.0)
+    assert windows[(5, 9)]["img_per_s"] is None and windows[(5, 9)]["seconds"] is None
+    assert (result["iterations_run"], result["images_run"]) == (6, 12)
+
+
+def test_timer_counts_our_compiles_and_checks_the_plugin(tmp_path):
+    import deform_plugin  # noqa: F401
+    hook = IterationTimerHook(windows=[(1, 2)], warmup_iters=1, out_file=str(tmp_path / "t.json"),
+                              expect_plugin=True, clock=FakeClock())
+    run_fake_training(hook, iterations=2, tmp_path=tmp_path)
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["deform_plugin_loaded"] is True
+    assert set(result["compiled_variants_end"]) >= {"msda_forward", "msda_backward"}
+    assert result["compiled_after_warmup"] == result["compiled_total"] - sum(
+        result["compiled_variants_after_warmup"].values())
+    stock_hook = IterationTimerHook(windows=[(1, 1)], expect_plugin=False, clock=FakeClock())
+    with pytest.raises(RuntimeError, match="must stay stock"):
+        stock_hook.before_train(SimpleNamespace(iter=0))
+
+
+def test_timer_rejects_bad_windows():
+    with pytest.raises(ValueError, match=r"window \(3, 2\)"):
+        IterationTimerHook(windows=[(3, 2)])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# End to end: both rows of a tiny config, each through its own training script, on the CPU
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_tiny_benchmark_runs_stock_and_our_rows(tmp_path, source, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the child processes: one thread each on a small shared CPU
+    out_dir = tmp_path / "out"
+    status = user_path.main([
+        str(TINY_COCO_CONFIG), "--rows", "stock:fp32", "ours:fp32", "--iters", "3", "--first-iters", "1",
+        "--batch-size", "2", "--workers", "1", "--images", str(SOURCE_IMAGES),
+        "--data-cache", str(source.root.parent), "--out-dir", str(out_dir), "--timeout", "300"])
+    report = json.loads((out_dir / "train_benchmark.json").read_text())
+    assert status == 0, [r["error"] for r in report["results"]]
+    stock, ours = report["results"]
+    for result in (stock, ours):
+        assert result["status"] == "ok"
+        assert [w["img_per_s"] > 0 for w in result["timing"]["windows"]] == [True, True, True]
+        assert result["timing"]["iterations_run"] == 3 and result["timing"]["images_run"] == 6
+    assert stock["timing"]["deform_plugin_loaded"] is False
+    assert list(stock["timing"]["msda_modules"]) == ["mmcv.ops.multi_scale_deform_attn.MultiScaleDeformableAttention"]
+    assert ours["timing"]["deform_plugin_loaded"] is True
+    assert list(ours["timing"]["msda_modules"]) == ["deform_plugin.models.msda.MultiScaleDeformableAttention"]
+    rows = report["rows"]
+    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[1]["speedup"] > 0
+    markdown = (out_dir / "train_benchmark.md").read_text()
+    assert "| stock:fp32 | ok |" in markdown and "| ours:fp32 | ok |" in markdown
+    assert "| stock:fp32 | ok |" in capsys.readouterr().out  # the table is printed too
+    with open(out_dir / "train_benchmark.csv") as handle:
+        assert [r["row"] for r in csv.DictReader(handle)] == ["stock:fp32", "ours:fp32"]

@@ -1,0 +1,25 @@
+#!/usr/bin/env python
+"""Training speed along the user's path: stock mmdet/mmcv and deform_plugin rows, each in its own process.
+
+Each row trains a config for ``--iters`` iterations with the training script a user runs (mmdet's own
+``tools/train.py`` for ``stock`` rows, ours for ``ours`` rows) and mmengine's Runner, the config's own train pipeline
+reading a synthetic COCO-like set; a hook times windows of iterations with device syncs at the window ends only::
+
+    python tools/benchmark_train.py \\
+        configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \\
+        --rows stock:fp32 ours:fp32 ours:bf16 --iters 100 --batch-size 2 --workers 4 --out-dir bench_results/train
+
+Rows are ``SIDE:MODE`` (``stock`` | ``ours``, ``fp32`` | ``fp16`` | ``bf16``); the first is the speedup baseline.
+Stock rows need mmcv with its compiled ops on a GPU. The table (steady-state img/s over the second half of the
+run, whole-run and first-20 img/s, our kernel compile count, peak memory, speedup) is printed and written with
+JSON, CSV and the rows' logs and overlay configs into ``--out-dir``. See ``benchmarks/detector/user_path.py``.
+"""
+import os
+import sys
+
+# A checkout's tools run that checkout's code, installed or not (as tools/train.py does).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.detector.user_path import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
