@@ -49,6 +49,9 @@ TIMER_HOOK = "IterationTimerHook"
 PLUGIN_PACKAGE = "deform_plugin"
 FAST_PATHS_HOOK = "FastPathsHook"
 MERGED_CONSTRUCTOR = "MergedParamGroupsOptimWrapperConstructor"
+# deform_plugin's drop-in types and the mmengine types they extend (same arguments): a stock row runs the latter.
+PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWrapper": "AmpOptimWrapper",
+                     "DeferredRuntimeInfoHook": "RuntimeInfoHook"}
 SUPPORTED_DATASET = "CocoDataset"
 NEVER = 10 ** 9  # an interval no benchmark reaches
 SIDES = ("stock", "ours")
@@ -184,7 +187,8 @@ def plugin_references(node, path: str = "") -> List[str]:
         for index, value in enumerate(node):
             found.extend(plugin_references(value, f"{path}[{index}]"))
     elif isinstance(node, str) and (node.split(".")[0] == PLUGIN_PACKAGE or node in (FAST_PATHS_HOOK,
-                                                                                     MERGED_CONSTRUCTOR)):
+                                                                                     MERGED_CONSTRUCTOR)
+                                    or node in PLUGIN_TYPE_BASES):
         found.append(f"{path}={node!r}")
     return found
 
@@ -237,9 +241,15 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
         imports = [name for name in imports if name.split(".")[0] != PLUGIN_PACKAGE]
         hooks = [hook for hook in hooks if hook.get("type") != FAST_PATHS_HOOK]
         optim_wrapper = base.get("optim_wrapper") or {}
-        if optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:
+        if (optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR
+                or optim_wrapper.get("type") in PLUGIN_TYPE_BASES):
             stripped = {k: v for k, v in optim_wrapper.items() if k != "constructor"}
+            stripped["type"] = PLUGIN_TYPE_BASES.get(stripped.get("type"), stripped.get("type", "OptimWrapper"))
             overlay["optim_wrapper"] = dict(_delete_=True, **stripped)
+        runtime_info = default_hooks.get("runtime_info") or {}
+        if runtime_info.get("type") in PLUGIN_TYPE_BASES:
+            overlay["default_hooks"]["runtime_info"] = dict(
+                _delete_=True, **dict(runtime_info, type=PLUGIN_TYPE_BASES[runtime_info["type"]]))
     overlay["custom_imports"] = dict(imports=imports + [TIMER_MODULE], allow_failed_imports=False)
     overlay["custom_hooks"] = hooks + [timer_hook(row, settings, timing_file)]
     return overlay

@@ -117,7 +117,10 @@ def test_stock_overlay_strips_every_plugin_piece_and_keeps_the_pipeline(tmp_path
     assert [hook.type for hook in cfg.custom_hooks] == [user_path.TIMER_HOOK]
     assert cfg.custom_hooks[0].expect_plugin is False
     expected_optim = {k: v for k, v in base.optim_wrapper.to_dict().items() if k != "constructor"}
+    expected_optim["type"] = "OptimWrapper"  # the fast config's SyncFreeOptimWrapper is ours
     assert cfg.optim_wrapper.to_dict() == expected_optim
+    assert base.default_hooks.runtime_info.type == "DeferredRuntimeInfoHook"
+    assert cfg.default_hooks.runtime_info.type == "RuntimeInfoHook"
     loader, base_loader = cfg.train_dataloader, base.train_dataloader
     assert loader.dataset.pipeline == base_loader.dataset.pipeline
     assert loader.dataset.type == "CocoDataset" and loader.dataset.filter_cfg == base_loader.dataset.filter_cfg
