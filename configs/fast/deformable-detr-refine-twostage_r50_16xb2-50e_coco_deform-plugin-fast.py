@@ -4,7 +4,7 @@
 #   - SyncFreeOptimWrapper + DeferredRuntimeInfoHook: losses and the gradient norm reach the logger once per logging
 #     interval, in one device-to-host copy (with --amp-dtype bfloat16, tools/train.py also drops the loss scaler);
 #   - FastPathsHook: decoder self-attention through PyTorch SDPA; every decoder layer's Hungarian matching in one
-#     pass with one copy to the host; the per-layer loss normalisers without host syncs.
+#     pass with one copy to the host; the per-layer loss normalisers and the forward without host syncs.
 # Losses and gradients match the plain config to float rounding (docs/whole_detector.md explains why).
 # Optimizer state dicts differ in layout from stock runs: resume a run with the constructor it was started with.
 _base_ = '../deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py'
@@ -12,4 +12,5 @@ _base_ = '../deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_
 custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], allow_failed_imports=False)
 optim_wrapper = dict(type='SyncFreeOptimWrapper', constructor='MergedParamGroupsOptimWrapperConstructor')
 default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
-custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True)]
+custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
+                     sync_free_forward=True)]

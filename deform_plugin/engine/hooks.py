@@ -30,14 +30,17 @@ class FastPathsHook(Hook):
         batched_matching (bool): every decoder layer's matching of a step in one cost pass and one copy to the
             host (turns ``hungarian_host_syncs`` on too).
         sync_free_losses (bool): the DETR heads' per-layer loss normalisers without host syncs.
+        sync_free_forward (bool): Deformable-DETR's and DINO's forward without host syncs (level tables made on the
+            host, the host's sizes walked instead of the device's).
     """
 
     priority = "VERY_HIGH"
 
     def __init__(self, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
-                 batched_matching: bool = False, sync_free_losses: bool = False):
+                 batched_matching: bool = False, sync_free_losses: bool = False, sync_free_forward: bool = False):
         self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs),
-                             batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses))
+                             batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses),
+                             sync_free_forward=bool(sync_free_forward))
 
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths

@@ -234,3 +234,45 @@ def test_fast_paths_refuse_another_mmdet_version(monkeypatch):
     with pytest.raises(RuntimeError, match=r"mirrors private methods of mmdet 3.3.0, but mmdet 3.2.0 is installed"):
         apply_fast_paths(holder, batched_matching=True)
     assert apply_fast_paths(holder, sdpa_attention=True) == {"sdpa_attention": 0}
+
+
+# ---- sync-free forward --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stock_worker():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import stock_worker as worker
+    return worker
+
+
+# Both branches of the stock code (padding masks or none), each on one of the two families it serves.
+@pytest.mark.parametrize("config, padded", [
+    ("configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py", False),
+    ("configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py", True)],
+    ids=["deformable-detr-two-stage-same-size", "dino-padded"])
+def test_sync_free_forward_gives_the_stock_outputs_bitwise_and_reads_no_table(config, padded, stock_worker):
+    from pathlib import Path
+
+    from mmengine.config import Config
+
+    from deform_plugin.ops.msda.level_tables import level_table_host_reads
+    root = Path(__file__).resolve().parents[2]
+    torch.manual_seed(0)
+    stock = stock_worker.build_msda_owner(Config.fromfile(str(root / config)))
+    stock.init_weights()
+    stock = stock.double().eval()
+    fast = copy.deepcopy(stock)
+    assert apply_fast_paths(fast, sync_free_forward=True) == {"sync_free_forward": 1}
+    # DINO selects 900 proposals: the input must give at least that many keys.
+    inputs, samples = stock_worker.detection_inputs(batch=2 if padded else 1, height=224, width=256)
+    with torch.no_grad():
+        expected = stock(inputs, samples, mode="tensor")
+        reads = level_table_host_reads()
+        got = fast(inputs, samples, mode="tensor")
+        assert level_table_host_reads() == reads  # the tables are made on the host: nothing is read back
+        got_again = fast(inputs, samples, mode="tensor")
+    for ours, theirs, again in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected),
+                                   torch.utils._pytree.tree_leaves(got_again)):
+        assert torch.equal(ours, theirs) and torch.equal(again, theirs)

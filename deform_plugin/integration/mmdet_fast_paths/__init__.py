@@ -8,9 +8,10 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
 - ``sdpa_attention`` (:mod:`.sdpa_attention`): attention bricks through PyTorch SDPA;
 - ``hungarian_host_syncs`` and ``batched_matching`` (:mod:`.matching`): matching with fewer syncs, and all of a
   step's matching in one pass;
-- ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs.
+- ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
+- ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs.
 
-The last three replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.
+All but the first replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from torch import nn
 from .loss_normalisation import enable_sync_free_losses
 from .matching import enable_batched_matching, enable_hungarian_host_syncs
 from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
+from .sync_free_forward import enable_sync_free_forward
 
 # The mmdet release whose private DETRHead methods the copies in this package mirror line for line.
 MIRRORED_MMDET_VERSION = "3.3.0"
-FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses")
+FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses", "sync_free_forward")
 
 __all__ = ["FAST_PATHS", "apply_fast_paths", "check_mirrored_mmdet_version", "disable_sdpa_attention",
            "enable_sdpa_attention", "sdpa_multihead_attention_class"]
@@ -41,7 +43,8 @@ def check_mirrored_mmdet_version(switch: str) -> None:
 
 
 def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
-                     batched_matching: bool = False, sync_free_losses: bool = False) -> Dict[str, int]:
+                     batched_matching: bool = False, sync_free_losses: bool = False,
+                     sync_free_forward: bool = False) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
     ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too.
@@ -58,4 +61,7 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
     if sync_free_losses:
         check_mirrored_mmdet_version("sync_free_losses")
         changed["sync_free_losses"] = enable_sync_free_losses(model)
+    if sync_free_forward:
+        check_mirrored_mmdet_version("sync_free_forward")
+        changed["sync_free_forward"] = enable_sync_free_forward(model)
     return changed

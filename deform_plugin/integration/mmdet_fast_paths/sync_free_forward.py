@@ -1,0 +1,130 @@
+"""The ``sync_free_forward`` fast path: a Deformable-DETR / DINO forward that never waits for the GPU.
+
+mmdet 3.3.0 builds the level tables on the device from each feature map's shape (a blocking host-to-device copy per
+level: the host waits for the GPU), as a new tensor every forward, and then walks that device tensor on the host to
+build the encoder's reference points and the two-stage proposals (a device-to-host read per level). Each of these
+waits drains the GPU's queue; none is needed, because every size is a Python number on the host already. The fast
+path makes the tables with :func:`deform_plugin.ops.msda.make_level_tables` (copied without blocking, the same
+tensors for the same sizes, never read by the MSDA op) and walks the host sizes instead. Same arithmetic on the same
+values: the outputs are bitwise the stock ones. Without a sync a forward of fixed-size inputs is also capturable in
+a CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deform_plugin.ops.msda import host_spatial_shapes, make_level_tables
+
+
+def deformable_detr_pre_transformer_sync_free(self, mlvl_feats, batch_data_samples=None):
+    """mmdet 3.3.0's ``DeformableDETR.pre_transformer`` with the level tables made on the host."""
+    batch_size = mlvl_feats[0].size(0)
+    assert batch_data_samples is not None
+    batch_input_shape = batch_data_samples[0].batch_input_shape
+    input_img_h, input_img_w = batch_input_shape
+    img_shape_list = [sample.img_shape for sample in batch_data_samples]
+    same_shape_flag = all(s[0] == input_img_h and s[1] == input_img_w for s in img_shape_list)
+    if torch.onnx.is_in_onnx_export() or same_shape_flag:
+        mlvl_masks = [None for _ in mlvl_feats]
+        mlvl_pos_embeds = [self.positional_encoding(None, input=feat) for feat in mlvl_feats]
+    else:
+        masks = mlvl_feats[0].new_ones((batch_size, input_img_h, input_img_w))
+        for img_id in range(batch_size):
+            img_h, img_w = img_shape_list[img_id]
+            masks[img_id, :img_h, :img_w] = 0
+        mlvl_masks, mlvl_pos_embeds = [], []
+        for feat in mlvl_feats:
+            mlvl_masks.append(F.interpolate(masks[None], size=feat.shape[-2:]).to(torch.bool).squeeze(0))
+            mlvl_pos_embeds.append(self.positional_encoding(mlvl_masks[-1]))
+
+    feat_flatten, lvl_pos_embed_flatten, mask_flatten = [], [], []
+    for lvl, (feat, mask, pos_embed) in enumerate(zip(mlvl_feats, mlvl_masks, mlvl_pos_embeds)):
+        batch_size, c, h, w = feat.shape
+        feat = feat.view(batch_size, c, -1).permute(0, 2, 1)
+        pos_embed = pos_embed.view(batch_size, c, -1).permute(0, 2, 1)
+        lvl_pos_embed = pos_embed + self.level_embed[lvl].view(1, 1, -1)
+        if mask is not None:
+            mask = mask.flatten(1)
+        feat_flatten.append(feat)
+        lvl_pos_embed_flatten.append(lvl_pos_embed)
+        mask_flatten.append(mask)
+    feat_flatten = torch.cat(feat_flatten, 1)
+    lvl_pos_embed_flatten = torch.cat(lvl_pos_embed_flatten, 1)
+    mask_flatten = torch.cat(mask_flatten, 1) if mask_flatten[0] is not None else None
+
+    spatial_shapes, level_start_index = make_level_tables([feat.shape[-2:] for feat in mlvl_feats],
+                                                          mlvl_feats[0].device)
+    if mlvl_masks[0] is not None:
+        valid_ratios = torch.stack([self.get_valid_ratio(m) for m in mlvl_masks], 1)
+    else:
+        valid_ratios = mlvl_feats[0].new_ones(batch_size, len(mlvl_feats), 2)
+    encoder_inputs_dict = dict(feat=feat_flatten, feat_mask=mask_flatten, feat_pos=lvl_pos_embed_flatten,
+                               spatial_shapes=spatial_shapes, level_start_index=level_start_index,
+                               valid_ratios=valid_ratios)
+    decoder_inputs_dict = dict(memory_mask=mask_flatten, spatial_shapes=spatial_shapes,
+                               level_start_index=level_start_index, valid_ratios=valid_ratios)
+    return encoder_inputs_dict, decoder_inputs_dict
+
+
+def _encoder_reference_points_from_host_sizes(stock):
+    def get_encoder_reference_points(spatial_shapes, valid_ratios, device):
+        # The stock function only iterates over the sizes: give it the host's.
+        return stock(host_spatial_shapes(spatial_shapes), valid_ratios, device)
+    return get_encoder_reference_points
+
+
+def gen_encoder_output_proposals_sync_free(self, memory, memory_mask, spatial_shapes):
+    """mmdet 3.3.0's ``DeformableDETR.gen_encoder_output_proposals`` walking the host sizes."""
+    bs = memory.size(0)
+    proposals = []
+    _cur = 0
+    for lvl, (H, W) in enumerate(host_spatial_shapes(spatial_shapes)):
+        if memory_mask is not None:
+            mask_flatten_ = memory_mask[:, _cur:(_cur + H * W)].view(bs, H, W, 1)
+            valid_H = torch.sum(~mask_flatten_[:, :, 0, 0], 1).unsqueeze(-1)
+            valid_W = torch.sum(~mask_flatten_[:, 0, :, 0], 1).unsqueeze(-1)
+            scale = torch.cat([valid_W, valid_H], 1).view(bs, 1, 1, 2)
+        else:
+            scale = spatial_shapes[lvl].unsqueeze(0).flip(dims=[0, 1]).view(1, 1, 1, 2)
+        grid_y, grid_x = torch.meshgrid(
+            torch.linspace(0, H - 1, H, dtype=torch.float32, device=memory.device),
+            torch.linspace(0, W - 1, W, dtype=torch.float32, device=memory.device), indexing="ij")
+        grid = torch.cat([grid_x.unsqueeze(-1), grid_y.unsqueeze(-1)], -1)
+        grid = (grid.unsqueeze(0).expand(bs, -1, -1, -1) + 0.5) / scale
+        wh = torch.ones_like(grid) * 0.05 * (2.0 ** lvl)
+        proposals.append(torch.cat((grid, wh), -1).view(bs, -1, 4))
+        _cur += (H * W)
+    output_proposals = torch.cat(proposals, 1)
+    output_proposals_valid = ((output_proposals > 0.01) & (output_proposals < 0.99)).sum(
+        -1, keepdim=True) == output_proposals.shape[-1]
+    output_proposals = torch.log(output_proposals / (1 - output_proposals))
+    if memory_mask is not None:
+        output_proposals = output_proposals.masked_fill(memory_mask.unsqueeze(-1), float("inf"))
+    output_proposals = output_proposals.masked_fill(~output_proposals_valid, float("inf"))
+    output_memory = memory
+    if memory_mask is not None:
+        output_memory = output_memory.masked_fill(memory_mask.unsqueeze(-1), float(0))
+    output_memory = output_memory.masked_fill(~output_proposals_valid, float(0))
+    output_memory = self.memory_trans_fc(output_memory)
+    output_memory = self.memory_trans_norm(output_memory)
+    return output_memory, output_proposals
+
+
+def enable_sync_free_forward(model) -> int:
+    """Switch every Deformable-DETR-family detector in ``model`` (DINO included) whose class uses mmdet's own
+    ``pre_transformer`` to the sync-free forward. Returns the number of detectors changed."""
+    from mmdet.models.detectors import DeformableDETR
+    from mmdet.models.layers.transformer.deformable_detr_layers import DeformableDetrTransformerEncoder
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, DeformableDETR) and type(module).pre_transformer is DeformableDETR.pre_transformer:
+            module.pre_transformer = deformable_detr_pre_transformer_sync_free.__get__(module)
+            if type(module).gen_encoder_output_proposals is DeformableDETR.gen_encoder_output_proposals:
+                module.gen_encoder_output_proposals = gen_encoder_output_proposals_sync_free.__get__(module)
+            changed += 1
+    for module in model.modules():
+        if isinstance(module, DeformableDetrTransformerEncoder):
+            module.get_encoder_reference_points = _encoder_reference_points_from_host_sizes(
+                type(module).get_encoder_reference_points)
+    return changed
