@@ -250,8 +250,9 @@ def stock_worker():
 # Both branches of the stock code (padding masks or none), each on one of the two families it serves.
 @pytest.mark.parametrize("config, padded", [
     ("configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py", False),
-    ("configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py", True)],
-    ids=["deformable-detr-two-stage-same-size", "dino-padded"])
+    ("configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py", True),
+    ("configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py", True)],
+    ids=["deformable-detr-two-stage-same-size", "dino-padded", "mask2former"])
 def test_sync_free_forward_gives_the_stock_outputs_bitwise_and_reads_no_table(config, padded, stock_worker):
     from pathlib import Path
 
@@ -264,7 +265,7 @@ def test_sync_free_forward_gives_the_stock_outputs_bitwise_and_reads_no_table(co
     stock.init_weights()
     stock = stock.double().eval()
     fast = copy.deepcopy(stock)
-    assert apply_fast_paths(fast, sync_free_forward=True) == {"sync_free_forward": 1}
+    assert apply_fast_paths(fast, sync_free_forward=True) == {"sync_free_forward": 1}  # the detector or decoder
     # DINO selects 900 proposals: the input must give at least that many keys.
     inputs, samples = stock_worker.detection_inputs(batch=2 if padded else 1, height=224, width=256)
     with torch.no_grad():

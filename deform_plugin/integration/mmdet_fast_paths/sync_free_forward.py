@@ -1,8 +1,9 @@
-"""The ``sync_free_forward`` fast path: a Deformable-DETR / DINO forward that never waits for the GPU.
+"""The ``sync_free_forward`` fast path: a Deformable-DETR / DINO / Mask2Former forward that never waits for the GPU.
 
 mmdet 3.3.0 builds the level tables on the device from each feature map's shape (a blocking host-to-device copy per
 level: the host waits for the GPU), as a new tensor every forward, and then walks that device tensor on the host to
-build the encoder's reference points and the two-stage proposals (a device-to-host read per level). Each of these
+build the encoder's reference points and the two-stage proposals, or (Mask2Former's pixel decoder) to split and
+reshape the encoder's output (a device-to-host read per level). Each of these
 waits drains the GPU's queue; none is needed, because every size is a Python number on the host already. The fast
 path makes the tables with :func:`deform_plugin.ops.msda.make_level_tables` (copied without blocking, the same
 tensors for the same sizes, never read by the MSDA op) and walks the host sizes instead. Same arithmetic on the same
@@ -111,12 +112,66 @@ def gen_encoder_output_proposals_sync_free(self, memory, memory_mask, spatial_sh
     return output_memory, output_proposals
 
 
+def pixel_decoder_forward_sync_free(self, feats):
+    """mmdet 3.3.0's ``MSDeformAttnPixelDecoder.forward`` with the level tables made on the host."""
+    batch_size = feats[0].shape[0]
+    encoder_input_list, padding_mask_list, level_positional_encoding_list, reference_points_list = [], [], [], []
+    level_sizes = [tuple(feats[self.num_input_levels - i - 1].shape[-2:]) for i in range(self.num_encoder_levels)]
+    spatial_shapes, level_start_index = make_level_tables(level_sizes, feats[0].device)
+    for i in range(self.num_encoder_levels):
+        level_idx = self.num_input_levels - i - 1
+        feat = feats[level_idx]
+        feat_projected = self.input_convs[i](feat)
+        padding_mask_resized = feat.new_zeros((batch_size, ) + feat.shape[-2:], dtype=torch.bool)
+        pos_embed = self.postional_encoding(padding_mask_resized)
+        level_embed = self.level_encoding.weight[i]
+        level_pos_embed = level_embed.view(1, -1, 1, 1) + pos_embed
+        reference_points = self.point_generator.single_level_grid_priors(feat.shape[-2:], level_idx,
+                                                                          device=feat.device)
+        feat_wh = spatial_shapes[i].unsqueeze(0).flip(dims=[0, 1])
+        factor = feat_wh * self.strides[level_idx]
+        reference_points = reference_points / factor
+        encoder_input_list.append(feat_projected.flatten(2).permute(0, 2, 1))
+        padding_mask_list.append(padding_mask_resized.flatten(1))
+        level_positional_encoding_list.append(level_pos_embed.flatten(2).permute(0, 2, 1))
+        reference_points_list.append(reference_points)
+    padding_masks = torch.cat(padding_mask_list, dim=1)
+    encoder_inputs = torch.cat(encoder_input_list, dim=1)
+    level_positional_encodings = torch.cat(level_positional_encoding_list, dim=1)
+    num_queries_per_level = [h * w for h, w in level_sizes]
+    reference_points = torch.cat(reference_points_list, dim=0)
+    reference_points = reference_points[None, :, None].repeat(batch_size, 1, self.num_encoder_levels, 1)
+    valid_radios = reference_points.new_ones((batch_size, self.num_encoder_levels, 2))
+    memory = self.encoder(query=encoder_inputs, query_pos=level_positional_encodings, key_padding_mask=padding_masks,
+                          spatial_shapes=spatial_shapes, reference_points=reference_points,
+                          level_start_index=level_start_index, valid_ratios=valid_radios)
+    memory = memory.permute(0, 2, 1)
+    outs = torch.split(memory, num_queries_per_level, dim=-1)
+    outs = [x.reshape(batch_size, -1, level_sizes[i][0], level_sizes[i][1]) for i, x in enumerate(outs)]
+    for i in range(self.num_input_levels - self.num_encoder_levels - 1, -1, -1):
+        x = feats[i]
+        cur_feat = self.lateral_convs[i](x)
+        y = cur_feat + F.interpolate(outs[-1], size=cur_feat.shape[-2:], mode="bilinear", align_corners=False)
+        y = self.output_convs[i](y)
+        outs.append(y)
+    multi_scale_features = outs[:self.num_outs]
+    mask_feature = self.mask_feature(outs[-1])
+    return mask_feature, multi_scale_features
+
+
 def enable_sync_free_forward(model) -> int:
     """Switch every Deformable-DETR-family detector in ``model`` (DINO included) whose class uses mmdet's own
-    ``pre_transformer`` to the sync-free forward. Returns the number of detectors changed."""
+    ``pre_transformer``, and every Mask2Former pixel decoder with mmdet's own ``forward``, to the sync-free forward.
+    Returns the number of detectors and pixel decoders changed."""
     from mmdet.models.detectors import DeformableDETR
+    from mmdet.models.layers import MSDeformAttnPixelDecoder
     from mmdet.models.layers.transformer.deformable_detr_layers import DeformableDetrTransformerEncoder
     changed = 0
+    for module in model.modules():
+        if (isinstance(module, MSDeformAttnPixelDecoder)
+                and type(module).forward is MSDeformAttnPixelDecoder.forward):
+            module.forward = pixel_decoder_forward_sync_free.__get__(module)
+            changed += 1
     for module in model.modules():
         if isinstance(module, DeformableDETR) and type(module).pre_transformer is DeformableDETR.pre_transformer:
             module.pre_transformer = deformable_detr_pre_transformer_sync_free.__get__(module)
