@@ -1,0 +1,94 @@
+"""Graph inference gives eager inference's detections: the split predict exactly, the replayed graph on a GPU."""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
+from deform_plugin.apis import enable_fast_inference
+from deform_plugin.integration.mmdet_graph_inference import GraphInference
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stock_worker  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+CONFIGS = {"dino": "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py",
+           "mask2former": "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py"}
+
+
+def _detector(name, device="cpu", dtype=torch.float64):
+    from mmengine.config import Config
+    torch.manual_seed(0)
+    model = stock_worker.build_msda_owner(Config.fromfile(str(ROOT / CONFIGS[name])))
+    model.init_weights()
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _predictions(samples):
+    out = []
+    for sample in samples:
+        instances = sample.pred_instances
+        out.append({key: instances[key] for key in ("bboxes", "scores", "labels", "masks") if key in instances})
+    return out
+
+
+@pytest.mark.parametrize("name", ["dino", "mask2former"])
+def test_split_predict_is_the_stock_predict(name):
+    detector = _detector(name)
+    inputs, samples = stock_worker.detection_inputs(batch=1, height=224, width=256)
+    graph_inference = GraphInference(detector)
+    with torch.no_grad():
+        expected = _predictions(detector.predict(inputs, copy.deepcopy(samples)))
+        outs = graph_inference.region(detector, inputs, samples)
+        got = _predictions(graph_inference.postprocess(detector, outs, copy.deepcopy(samples), True))
+    for ours, theirs in zip(got, expected):
+        assert ours.keys() == theirs.keys() and "bboxes" in ours
+        for key in ours:
+            assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_on_a_cpu_fast_inference_runs_the_eager_predict():
+    detector = _detector("dino")
+    reference = copy.deepcopy(detector)
+    enable_fast_inference(detector)
+    inputs, samples = stock_worker.detection_inputs(batch=1, height=224, width=256)
+    with torch.no_grad():
+        got = _predictions(detector.predict(inputs, copy.deepcopy(samples)))
+        expected = _predictions(reference.predict(inputs, copy.deepcopy(samples)))
+    for ours, theirs in zip(got, expected):
+        # The SDPA attention brick differs from the stock brick by float rounding only.
+        torch.testing.assert_close(ours["bboxes"], theirs["bboxes"], rtol=1e-9, atol=1e-9)
+        assert torch.equal(ours["labels"], theirs["labels"])
+
+
+def test_a_detector_without_graph_inference_is_refused():
+    with pytest.raises(TypeError, match="Linear has no graph inference"):
+        GraphInference(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("name", ["dino", "mask2former"])
+def test_graph_replay_gives_the_eager_detections(name):
+    from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+    detector = _detector(name, device="cuda", dtype=torch.float32)
+    eager = copy.deepcopy(detector)
+    apply_fast_paths(eager, sdpa_attention=True, sync_free_forward=True)  # the same kernels, not replayed
+    changed = enable_fast_inference(detector, max_graphs=1)
+    graph_inference = changed["graph_inference"]
+    inputs, samples = stock_worker.detection_inputs(batch=1, height=512, width=640)
+    inputs = inputs.float().cuda()
+    with torch.no_grad():
+        expected = _predictions(eager.predict(inputs, copy.deepcopy(samples)))
+        for _ in range(3):
+            got = _predictions(detector.predict(inputs, copy.deepcopy(samples)))
+        assert len(graph_inference.graphs) == 1 and not graph_inference.eager_signatures
+        # A second input size beyond max_graphs=1 replaces the first graph.
+        other_inputs, other_samples = stock_worker.detection_inputs(batch=1, height=480, width=640)
+        detector.predict(other_inputs.float().cuda(), other_samples)
+        assert len(graph_inference.graphs) == 1
+    for ours, theirs in zip(got, expected):
+        torch.testing.assert_close(ours["bboxes"], theirs["bboxes"], rtol=1e-3, atol=1e-2)
+        assert torch.equal(ours["labels"], theirs["labels"])
