@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from mmengine.dist import is_main_process
+from mmengine.dist import get_world_size, is_main_process
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.registry import HOOKS
@@ -141,7 +141,9 @@ class IterationTimerHook(Hook):
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
         iteration = batch_idx + 1
-        self._images += images_in_batch(data_batch)
+        # Under DDP every rank trains a batch of the same size per iteration: the run's images are world-size times
+        # this rank's.
+        self._images += images_in_batch(data_batch) * get_world_size()
         self._last_iter = iteration
         if iteration in self._boundary_set:
             self._mark(iteration)

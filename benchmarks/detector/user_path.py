@@ -59,6 +59,7 @@ MODES = ("fp32", "fp16", "bf16")
 AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_ROWS = ("stock:fp32", "ours:fp32", "ours:bf16")
 LOG_TAIL_LINES = 40
+DIST_PORT = 29517  # torch.distributed.run rendezvous of multi-GPU rows (one row runs at a time)
 
 
 class UnsupportedConfig(ValueError):
@@ -102,6 +103,7 @@ class Settings:
     steady_start: Optional[int] = None  # None: the second half, iters // 2 + 1
     logger_interval: int = 50
     timeout_s: float = 3600.0
+    gpus: int = 1  # >1: each row runs under torch.distributed.run, one process per GPU (DDP)
 
     def windows(self) -> Dict[str, Tuple[int, int]]:
         """The timed windows by name: ``first`` (warm-up included), ``all`` and ``steady``."""
@@ -268,17 +270,24 @@ def render_overlay(base_path: Path, overlay: dict, row: Row) -> str:
 # Running one row
 # ---------------------------------------------------------------------------------------------------------------------
 
-def row_command(row: Row, overlay_path: Path, work_dir: Path) -> List[str]:
-    """The training command line a user would type for this row."""
+def row_command(row: Row, overlay_path: Path, work_dir: Path, gpus: int = 1) -> List[str]:
+    """The training command line a user would type for this row (with ``gpus`` > 1: as tools/dist_train.sh runs
+    it, one process per GPU under ``torch.distributed.run``)."""
+    launcher = [sys.executable]
+    if gpus > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}",
+                    f"--master_port={DIST_PORT}"]
     if row.stock:
-        command = [sys.executable, "-m", STOCK_LAUNCHER, str(overlay_path), "--work-dir", str(work_dir)]
+        command = launcher + ["-m", STOCK_LAUNCHER, str(overlay_path), "--work-dir", str(work_dir)]
         if row.mode in AMP_DTYPES:
             # mmdet's script has --amp (float16) only; the dtype is the AmpOptimWrapper's own option.
             command += ["--amp", "--cfg-options", f"optim_wrapper.dtype={AMP_DTYPES[row.mode]}"]
-        return command
-    command = [sys.executable, str(OUR_TRAIN_SCRIPT), str(overlay_path), "--work-dir", str(work_dir)]
-    if row.mode in AMP_DTYPES:
-        command += ["--amp-dtype", AMP_DTYPES[row.mode]]
+    else:
+        command = launcher + [str(OUR_TRAIN_SCRIPT), str(overlay_path), "--work-dir", str(work_dir)]
+        if row.mode in AMP_DTYPES:
+            command += ["--amp-dtype", AMP_DTYPES[row.mode]]
+    if gpus > 1:
+        command += ["--launcher", "pytorch"]
     return command
 
 
@@ -328,7 +337,7 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     overlay_path.write_text(render_overlay(config_path, overlay_settings(base_cfg, row, source, settings,
                                                                          timing_file), row))
     shutil.copy(overlay_path, out_dir / "configs" / overlay_path.name)  # kept for reruns by hand
-    command = row_command(row, overlay_path, work_dir)
+    command = row_command(row, overlay_path, work_dir, settings.gpus)
     result = dict(config=str(config_path), row=row.label, command=command, log=str(log_path), status="failed",
                   returncode=None, wall_s=None, timing=None, error=None)
     if row.stock:
@@ -404,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, default=Path("bench_results/train"),
                         help="JSON, CSV and Markdown results, row logs and overlay configs")
     parser.add_argument("--keep-work-dirs", action="store_true", help="keep the rows' mmengine work dirs")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="GPUs per row: >1 runs each row with DDP, one process per GPU (--batch-size per GPU)")
     return parser
 
 
@@ -412,7 +423,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     settings = Settings(iters=args.iters, batch_size=args.batch_size, workers=args.workers,
                         first_iters=args.first_iters, steady_start=args.steady_start,
-                        logger_interval=args.logger_interval, timeout_s=args.timeout)
+                        logger_interval=args.logger_interval, timeout_s=args.timeout, gpus=args.gpus)
     try:
         settings.windows()
     except ValueError as error:

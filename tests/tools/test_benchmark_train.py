@@ -278,3 +278,11 @@ def test_tiny_benchmark_runs_stock_and_our_rows(tmp_path, source, monkeypatch, c
     assert "| stock:fp32 | ok |" in capsys.readouterr().out  # the table is printed too
     with open(out_dir / "train_benchmark.csv") as handle:
         assert [r["row"] for r in csv.DictReader(handle)] == ["stock:fp32", "ours:fp32"]
+
+
+def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
+    ours = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2)
+    assert ours[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=2"]
+    assert ours[-2:] == ["--launcher", "pytorch"] and "--amp-dtype" in ours
+    stock = user_path.row_command(user_path.parse_row("stock:fp32"), tmp_path / "o.py", tmp_path / "w", gpus=2)
+    assert stock[5:7] == ["-m", user_path.STOCK_LAUNCHER] and stock[-2:] == ["--launcher", "pytorch"]
