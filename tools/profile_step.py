@@ -1,41 +1,27 @@
 #!/usr/bin/env python
-"""Profile training steps of mmdet configs: time by component, GPU-busy fraction, kernels per step, host time.
+"""Profile training steps of mmdet configs: time by component, GPU-busy fraction, kernels, host syncs, host time.
 
-Same arguments as ``tools/benchmark.py`` (rows, configs, shape, --out-dir, --trace); this entry point only profiles
-(``--profile-only``), writing per row: CUDA (or, on CPU, CPU) time per step in MSDA, GEMM, convolution, optimizer
-(clip + step + zero_grad), matching (assigners), elementwise, memcpy and other kernels; the GPU-busy fraction of the
-step's wall time; kernels per step; host time in matching, optimizer and backward; a stacked-bar PNG
-(NAME_profile.png) and, with --trace, one Chrome trace per row. Example::
+The arguments of ``tools/benchmark.py`` (configs, ``--rows BACKEND:MODE[:FAST]``, ``--shape``, ``--out-dir``,
+``--trace``, ...), profiling only: per row, one step outside the profiler, then ``--profile-steps`` steps under
+torch.profiler, each running mmengine's train_step pieces in named ranges (forward, backward, optimizer) and the
+assigners' matching in its range; deform_plugin's MSDA op names its own range. Per step it reports:
+
+  - device time by component: CUDA kernel time (CPU op self-time with --device cpu) in MSDA, GEMM, convolution,
+    optimizer (clip + step + zero_grad), matching (assigners), elementwise, memcpy and other;
+  - host time by component (the CPU time that issued that work) on CUDA rows;
+  - the GPU-busy fraction of the step's wall time, kernels per step, host syncs per step (synchronising CUDA
+    runtime calls) and host reads per step (aten::_local_scalar_dense: .item() and friends);
+  - host time in each named range (forward, backward, optimizer, matching, msda, wait_for_device).
+
+Outputs: NAME.json, NAME.csv, NAME.md (NAME defaults to 'profile'), a stacked-bar PNG (NAME.png) and, with
+--trace, one Chrome trace per row. Example::
 
     python tools/profile_step.py configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py \\
         --rows mmcv:fp32:none triton:bf16:all --profile-steps 3 --out-dir bench_results/profile --trace
 """
-import importlib.util
-import os
 import sys
 
-# Not named tools/profile_step.py: with tools/ first on sys.path (as for every `python tools/X.py`), that file would
-# shadow the standard library's `profile`, which cProfile (imported by torch and mmengine) imports.
-TOOLS_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("deform_plugin_tools_benchmark",
-                                                  os.path.join(TOOLS_DIR, "benchmark.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--profile-only" not in argv:
-        argv.append("--profile-only")
-    if "--name" not in argv:
-        argv += ["--name", "profile"]
-    return _load_benchmark().main(argv)
-
+from benchmarks.detector.run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(description=__doc__, profile_only=True, name="profile"))

@@ -1,1 +1,13 @@
-"""Whole-detector benchmarks (training and inference of mmdet configs)."""
+"""The whole-detector benchmarks and profile.
+
+Fixed-size rows (``tools/benchmark.py``): rows (:mod:`.rows`), config edits and image size (:mod:`.configs`),
+synthetic batches (:mod:`.synthetic`), timing (:mod:`.timing`), profiling (:mod:`.profiling`), stock rows in a
+child process (:mod:`.children`), the report (:mod:`.report`) and the command line (:mod:`.run`).
+
+The user's training path (``tools/benchmark_train.py``): rows through the training scripts and mmengine's Runner
+(:mod:`.user_path`), a synthetic COCO-like image source (:mod:`.coco_source`), the timing hook
+(:mod:`.iteration_timer`), mmdet's own training script for stock rows (:mod:`.stock_train`) and the report
+(:mod:`.train_report`).
+
+No module here imports deform_plugin at module level: stock rows run these modules in a process that never does.
+"""

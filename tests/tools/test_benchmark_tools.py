@@ -1,7 +1,8 @@
-"""Smoke runs of tools/benchmark.py and tools/profile_step.py on CPU with a micro Deformable-DETR.
+"""Smoke runs of the benchmark command lines on CPU: tools/benchmark.py and tools/profile_step.py with a micro
+Deformable-DETR, tools/bench_deform_sdpa.py under the Triton interpreter, tools/bench_msda.py on CUDA only.
 
 One benchmark run covers: a stock row (child process without deform_plugin), our module with no fast path and
-with every fast path, training/inference timing, the profile breakdown, the table, JSON, CSV and PNG. Dropout is
+with every fast path, training/inference timing, the profile breakdown, the tables, JSON, CSV and PNG. Dropout is
 off in the micro config, so the three rows must also agree on the losses (the fast paths are exact).
 """
 import csv
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -38,12 +40,12 @@ SMALL_RUN = ["--device", "cpu", "--shape", "64", "64", "--batch-size", "2", "--n
              "--no-progress"]
 
 
-def _run_tool(script, args, tmp_path):
+def _run_tool(script, args, expect_rc=0):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     completed = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", script), *args], cwd=REPO_ROOT,
                                env=env, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
-    return completed.stdout
+    assert completed.returncode == expect_rc, completed.stdout[-3000:] + completed.stderr[-3000:]
+    return completed
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +59,7 @@ def test_benchmark_compares_rows_and_writes_table_json_csv_png(micro_config, tmp
     out_dir = tmp_path / "out"
     stdout = _run_tool("benchmark.py", [micro_config, "--rows", "stock:fp32", "pytorch:fp32:none",
                                         "pytorch:fp32:all", "pytorch:bf16:all", "--profile",
-                                        "--out-dir", str(out_dir), *SMALL_RUN], tmp_path)
+                                        "--out-dir", str(out_dir), *SMALL_RUN]).stdout
     assert stdout.startswith("machine: ")
     assert "[train] fps: " in stdout and " ms/img, cuda memory: " in stdout
     assert "[inference] fps: " in stdout and "[profile] CPU ms/step: " in stdout
@@ -77,6 +79,12 @@ def test_benchmark_compares_rows_and_writes_table_json_csv_png(micro_config, tmp
         assert profile["components_ms_per_step"]["optimizer"] > 0
         assert profile["components_ms_per_step"]["matching"] > 0
         assert profile["host_ms_per_step"]["matching"] > 0
+        for name in ("forward", "backward", "optimizer"):
+            assert profile["host_ms_per_step"][name] > 0, name
+        # A CPU row has no device: its host time is its op time, and .item() reads are its only host waits.
+        assert profile["host_components_ms_per_step"] == profile["components_ms_per_step"]
+        assert profile["host_syncs_per_step"] is None and profile["host_reads_per_step"] > 0
+        assert row["shape"] == [64, 64]
     assert rows["stock:fp32:none"]["train"]["speedup"] == pytest.approx(1.0)
     # Every fast path selected, and it changed something.
     fast = rows["pytorch:fp32:all"]
@@ -95,15 +103,18 @@ def test_benchmark_compares_rows_and_writes_table_json_csv_png(micro_config, tmp
         csv_rows = list(csv.DictReader(f))
     assert [r["row"] for r in csv_rows] == list(rows)
     assert float(csv_rows[2]["train_speedup"]) > 0
+    assert csv_rows[2]["shape"] == "64x64" and float(csv_rows[2]["profile_host_reads_per_step"]) > 0
+    assert float(csv_rows[2]["profile_host_optimizer_ms"]) > 0 and float(csv_rows[2]["host_backward_ms"]) > 0
     table = (out_dir / "benchmark.md").read_text()
     assert table.startswith("machine: ") and "| pytorch:fp32:all |" in table
+    assert "| row | time | step wall ms | busy | kernels (ops)/step | host syncs/step | host reads/step |" in table
     assert (out_dir / "benchmark_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_profile_tool_writes_breakdown_chart_and_trace(micro_config, tmp_path):
     out_dir = tmp_path / "prof"
     stdout = _run_tool("profile_step.py", [micro_config, "--rows", "pytorch:fp32:all", "--trace",
-                                           "--out-dir", str(out_dir), *SMALL_RUN], tmp_path)
+                                           "--out-dir", str(out_dir), *SMALL_RUN]).stdout
     assert "[profile] CPU ms/step: MSDA" in stdout
     assert "[train]" not in stdout  # profile only
     report = json.loads((out_dir / "profile.json").read_text())
@@ -111,10 +122,56 @@ def test_profile_tool_writes_breakdown_chart_and_trace(micro_config, tmp_path):
     components = row["profile"]["components_ms_per_step"]
     assert set(components) == {"MSDA", "GEMM", "convolution", "optimizer", "matching", "elementwise", "memcpy",
                                "other"}
+    # MSDA time comes from the op's own deform_plugin::msda range.
     assert components["MSDA"] > 0 and components["convolution"] > 0 and components["GEMM"] > 0
+    assert row["profile"]["host_ms_per_step"]["msda"] > 0
     assert 0 < row["profile"]["busy_fraction"] <= 1.05
+    assert "host reads/step (aten::_local_scalar_dense)" in stdout
     assert os.path.getsize(row["profile"]["trace"]) > 0
     assert (out_dir / "profile.png").exists()
+
+
+def test_profile_tool_help_describes_the_profile():
+    stdout = _run_tool("profile_step.py", ["--help"]).stdout
+    assert stdout.startswith("usage: profile_step.py")
+    assert "Profile training steps of mmdet configs" in stdout and "--profile-steps" in stdout
+    assert "Whole-detector benchmark" not in stdout
+
+
+def test_benchmark_refuses_a_shape_mask2former_cannot_take(tmp_path):
+    """Mask2Former pads batches to its 1024x1024 LSJ crop; 800x1333 is wider than that and less tall."""
+    config = os.path.join(REPO_ROOT, "configs", "mask2former", "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py")
+    completed = _run_tool("benchmark.py", [config, "--shape", "800", "1333", "--rows", "pytorch:fp32", "--device",
+                                           "cpu", "--out-dir", str(tmp_path)], expect_rc=1)
+    assert "shape 800x1333 (--shape) cannot run" in completed.stderr
+    assert "BatchFixedSizePad" in completed.stderr and "800x1344" in completed.stderr
+    assert "the config's own size, 1024 1024" in completed.stderr
+    (row,) = json.loads((tmp_path / "benchmark.json").read_text())["results"]
+    assert row["status"] == "failed" and "cannot run" in row["error"]
+
+
+def test_bench_deform_sdpa_smoke_on_cpu(tmp_path):
+    tiny = ["--smoke-cpu", "--out", str(tmp_path), "--sizes", "4", "--modes", "fwd", "--batch", "1", "--views", "2",
+            "--samples", "2", "--heads", "1", "--head-dim", "4"]
+    stdout = _run_tool("bench_deform_sdpa.py", tiny).stdout
+    assert stdout.startswith("machine: ")
+    assert "| size | mode | backend |" in stdout
+    with open(tmp_path / "bench_deform_sdpa.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["size"], r["mode"], r["backend"]) for r in rows] == [("4", "fwd", "pytorch"), ("4", "fwd", "triton")]
+    assert float(rows[1]["err_fp64"]) < 1e-5
+    assert (tmp_path / "latency_fp32.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="bench_msda times CUDA kernels")
+def test_bench_msda_one_case_on_cuda(tmp_path):
+    stdout = _run_tool("bench_msda.py", ["--cases", "decoder_q300", "--dtypes", "fp32", "--dists", "uniform",
+                                         "--rep", "5", "--out", str(tmp_path)]).stdout
+    assert stdout.startswith("machine: ") and "check decoder_q300 fp32 uniform" in stdout
+    assert "FAILED" not in stdout
+    with open(tmp_path / "msda_bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {r["impl"] for r in rows} >= {"triton"} and all(float(r["fwd_ms"]) > 0 for r in rows)
 
 
 def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
@@ -123,55 +180,3 @@ def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
                                text=True, timeout=120)
     assert completed.returncode == 2
     assert "mode 'fp8' is not one of fp32, fp16, bf16" in completed.stderr
-
-
-def _load_benchmark_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("benchmark_under_test", os.path.join(REPO_ROOT, "tools",
-                                                                                        "benchmark.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_cuda_profile_analysis_on_synthetic_events():
-    """The CUDA branch of the analysis (not reachable on a CPU host) on hand-made kernel events."""
-    import re
-    from types import SimpleNamespace
-
-    import torch
-    from torch.autograd import DeviceType
-    benchmark = _load_benchmark_module()
-
-    def event(name, device, start, end, event_id=0, linked=0):
-        return SimpleNamespace(name=name, device_type=device, is_async=False, id=event_id,
-                               linked_correlation_id=linked, time_range=SimpleNamespace(start=start, end=end),
-                               self_cpu_time_total=end - start)
-    cpu, gpu = DeviceType.CPU, DeviceType.CUDA
-    events = [
-        event("deform_plugin::train_step", cpu, 0, 1000),
-        event("deform_plugin::matching", cpu, 100, 200),
-        event("deform_plugin::optimizer", cpu, 800, 900),
-        event("aten::addmm", cpu, 10, 20, event_id=1),
-        event("aten::add", cpu, 150, 160, event_id=2),     # launched inside matching
-        event("aten::_foreach_mul_", cpu, 810, 820, event_id=3),
-        event("sm90_xmma_gemm_f32f32_tn", gpu, 30, 130, event_id=11, linked=1),
-        event("vectorized_elementwise_kernel", gpu, 170, 190, event_id=12, linked=2),
-        event("multi_tensor_apply_kernel", gpu, 830, 850, event_id=13, linked=3),
-        event("msda_backward_kernel", gpu, 400, 700, event_id=14),  # no launching op recorded: by name
-        event("ms_deformable_col2im_gpu_kernel", gpu, 690, 720, event_id=15),
-        event("Memcpy HtoD (Pageable -> Device)", gpu, 120, 125, event_id=16),
-        event("deform_plugin::train_step", gpu, 0, 1000),   # GPU-side annotation: not a kernel
-    ]
-    result = benchmark.analyse_profile(events, 1, torch.device("cuda"), re.compile(r"ms_?deform|msda", re.I))
-    components = result["components_ms_per_step"]
-    assert components["GEMM"] == pytest.approx(0.1)
-    assert components["matching"] == pytest.approx(0.02)
-    assert components["optimizer"] == pytest.approx(0.02)
-    assert components["MSDA"] == pytest.approx(0.33)
-    assert components["memcpy"] == pytest.approx(0.005)
-    assert result["kernels_per_step"] == 6
-    # Busy: [30,130] + [170,190] + [400,720] + [830,850] = 460 us of a 1000 us step.
-    assert result["busy_fraction"] == pytest.approx(0.46)
-    assert result["host_ms_per_step"] == {"matching": 0.1, "optimizer": 0.1}

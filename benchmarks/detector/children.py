@@ -1,0 +1,73 @@
+"""Stock rows in a child process that never imports deform_plugin.
+
+A stock row measures mmdet and mmcv as they are, so its process must not import deform_plugin (which rebinds
+mmdet's MSDA construction sites and, with mmcv-lite, installs a stand-in for mmcv's compiled ops). The parent runs
+``python -m benchmarks.detector.run CONFIG --rows stock:... --child-json OUT`` with the same settings and reads
+OUT back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import List, Tuple
+
+import torch
+
+from benchmarks.common import mmcv_lite_script
+from benchmarks.detector.rows import Row, row_result
+
+
+def prepare_stock_process(device: torch.device) -> None:
+    """On a CPU with mmcv-lite, let mmdet import: mmcv_lite.py's placeholder ``mmcv._ext``, whose every op raises
+    when called (mmcv's MSDA has a pure-PyTorch CPU path, so a stock CPU result is never served by our code).
+
+    The file is run by path, so this process still never imports the deform_plugin package.
+    """
+    if device.type != "cpu":
+        return
+    script = mmcv_lite_script()
+    if script is not None:
+        runpy.run_path(script)["install_placeholder_ext"]()
+
+
+def check_still_stock() -> None:
+    if "deform_plugin" in sys.modules:
+        raise RuntimeError("a stock row imported deform_plugin: its numbers would not be stock mmdet/mmcv")
+
+
+def child_passthrough_args(args, shape: Tuple[int, int]) -> List[str]:
+    passthrough = ["--device", args.device, "--shape", str(shape[0]), str(shape[1]),
+                   "--batch-size", str(args.batch_size), "--num-gts", str(args.num_gts), "--warmup", str(args.warmup),
+                   "--steps", str(args.steps), "--inference-warmup", str(args.inference_warmup),
+                   "--inference-steps", str(args.inference_steps), "--seed", str(args.seed),
+                   "--profile-steps", str(args.profile_steps), "--msda-kernel-regex", args.msda_kernel_regex]
+    for flag in ("profile", "profile_only", "trace", "no_progress", "tf32"):
+        if getattr(args, flag):
+            passthrough.append("--" + flag.replace("_", "-"))
+    if args.out_dir:
+        passthrough += ["--out-dir", args.out_dir]
+    if args.cfg_options:
+        passthrough += ["--cfg-options"] + [f"{k}={json.dumps(v) if not isinstance(v, str) else v}"
+                                            for k, v in args.cfg_options.items()]
+    return passthrough
+
+
+def run_row_in_child(config_path: str, row: Row, args, shape: Tuple[int, int]) -> dict:
+    """Run one row in a fresh interpreter; a failed child gives a failed row."""
+    # The child imports this same benchmarks package, installed or not.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "row.json")
+        command = [sys.executable, "-m", "benchmarks.detector.run", config_path, "--rows", row.label,
+                   "--child-json", out] + child_passthrough_args(args, shape)
+        completed = subprocess.run(command, cwd=os.getcwd(), env=env)
+        if completed.returncode != 0 or not os.path.exists(out):
+            return row_result(config_path, row, "failed", error=f"child process exited with {completed.returncode}")
+        with open(out) as f:
+            return json.load(f)

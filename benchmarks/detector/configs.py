@@ -1,0 +1,206 @@
+"""Config handling of the detector benchmark: loading (with or without deform_plugin), the edits a benchmark makes,
+fast-path resolution, and the synthetic image size (default from the config's pipelines, checked against the
+model's data preprocessor).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+from contextlib import nullcontext
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from benchmarks.detector.rows import Row
+
+MERGED_CONSTRUCTOR = "MergedParamGroupsOptimWrapperConstructor"
+# mmdet's usual COCO test scale, used when a config's pipelines fix no size.
+FALLBACK_SHAPE = (800, 1333)
+
+
+def short_config_name(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0].replace("_deform-plugin", "")
+
+
+def read_config(path: str, cfg_options: Optional[dict] = None):
+    """The config with ``cfg_options`` merged, its custom imports not imported."""
+    from mmengine.config import Config
+    cfg = Config.fromfile(path, import_custom_modules=False)
+    if cfg_options:
+        cfg.merge_from_dict(cfg_options)
+    return cfg
+
+
+def load_config(path: str, cfg_options: Optional[dict], plugin: bool):
+    """Load a config and import what it needs; with ``plugin=False`` strip every deform_plugin part first."""
+    cfg = read_config(path, cfg_options)
+    imports = list((cfg.get("custom_imports") or {}).get("imports", []))
+    if not plugin:
+        imports = [name for name in imports if not name.startswith("deform_plugin")]
+        if cfg.get("custom_hooks"):
+            cfg.custom_hooks = [h for h in cfg.custom_hooks if h.get("type") != "FastPathsHook"]
+        if cfg.optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:
+            cfg.optim_wrapper.pop("constructor")
+    else:
+        for name in ("deform_plugin", "deform_plugin.engine"):
+            if name not in imports:
+                imports.append(name)
+    if imports:
+        from mmengine.utils import import_modules_from_strings
+        import_modules_from_strings(imports, allow_failed_imports=False)
+    from mmdet.utils import register_all_modules
+    register_all_modules(init_default_scope=True)
+    return cfg
+
+
+def drop_pretrained_init(node) -> int:
+    """Remove ``init_cfg=dict(type='Pretrained', ...)`` entries (no downloads; random init is as fast to time)."""
+    removed = 0
+    if isinstance(node, dict):
+        init_cfg = node.get("init_cfg")
+        if isinstance(init_cfg, dict) and init_cfg.get("type") == "Pretrained":
+            node["init_cfg"] = None
+            removed += 1
+        for value in node.values():
+            removed += drop_pretrained_init(value)
+    elif isinstance(node, (list, tuple)):
+        for value in node:
+            removed += drop_pretrained_init(value)
+    return removed
+
+
+def resolve_fast_paths(cfg, row: Row) -> Dict[str, bool]:
+    """Set the optimizer constructor in ``cfg`` for ``row``; return the model-level switches to apply."""
+    if not row.plugin:
+        return {}
+    from deform_plugin.engine import fast_path_switches_from_config
+    forced = row.fast_set()
+    if forced is None:
+        switches = fast_path_switches_from_config(cfg)
+        return {"sdpa_attention": switches.get("sdpa_attention", False),
+                "hungarian_host_syncs": switches.get("hungarian_host_syncs", False)}
+    if "optim" in forced:
+        cfg.optim_wrapper["constructor"] = MERGED_CONSTRUCTOR
+    elif cfg.optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:
+        cfg.optim_wrapper.pop("constructor")
+    return {"sdpa_attention": "sdpa" in forced, "hungarian_host_syncs": "matching" in forced}
+
+
+def optim_wrapper_config(cfg, mode: str):
+    """The config's optimizer wrapper in ``mode``: fp32 drops AMP, fp16/bf16 make it an ``AmpOptimWrapper``."""
+    ow = copy.deepcopy(cfg.optim_wrapper)
+    if mode == "fp32":
+        if ow.get("type") == "AmpOptimWrapper":
+            ow["type"] = "OptimWrapper"
+            ow.pop("dtype", None)
+            ow.pop("loss_scale", None)
+        return ow
+    ow["type"] = "AmpOptimWrapper"
+    ow["dtype"] = "float16" if mode == "fp16" else "bfloat16"
+    ow.setdefault("loss_scale", "dynamic")
+    return ow
+
+
+def autocast_for(mode: str, device: torch.device):
+    if mode == "fp32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.float16 if mode == "fp16" else torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Synthetic image size
+# ---------------------------------------------------------------------------------------------------------------------
+
+def _type_name(transform) -> str:
+    return str(transform.get("type", "")).split(".")[-1]
+
+
+def _dataset_pipeline(dataset) -> Optional[list]:
+    # Dataset wrappers (RepeatDataset, ClassBalancedDataset, ConcatDataset) hold the real dataset inside.
+    while isinstance(dataset, dict):
+        if dataset.get("pipeline"):
+            return list(dataset["pipeline"])
+        dataset = dataset.get("dataset") or (list(dataset.get("datasets") or []) or [None])[0]
+    return None
+
+
+def config_pipelines(cfg) -> List[Tuple[str, list]]:
+    """(name, transforms) of the training pipeline, then of the test pipeline, where the config has them."""
+    found = []
+    for split in ("train", "test"):
+        pipeline = _dataset_pipeline((cfg.get(f"{split}_dataloader") or {}).get("dataset"))
+        if pipeline is None and cfg.get(f"{split}_pipeline"):
+            pipeline = list(cfg.get(f"{split}_pipeline"))
+        if pipeline:
+            found.append((f"{split} pipeline", pipeline))
+    return found
+
+
+def fixed_size(transform) -> Optional[Tuple[int, int]]:
+    """(H, W) of a landscape image after ``transform``, when it fixes one; None for random or relative sizes.
+
+    ``Resize``: ``scale`` (or mmdet 2's ``img_scale``) without ``ratio_range``; with ``keep_ratio`` a landscape
+    image fills (short side, long side). ``FixedShapeResize``: (height, width). ``RandomCrop`` of type 'absolute':
+    ``crop_size`` is (w, h).
+    """
+    if not isinstance(transform, dict):
+        return None
+    kind = _type_name(transform)
+    if kind == "Resize":
+        scale = transform.get("scale", transform.get("img_scale"))
+        if transform.get("ratio_range") is not None or transform.get("scale_factor") is not None:
+            return None
+        if isinstance(scale, int):
+            return scale, scale
+        if not (isinstance(scale, (tuple, list)) and len(scale) == 2 and all(isinstance(s, int) for s in scale)):
+            return None
+        if transform.get("keep_ratio", False):
+            return min(scale), max(scale)
+        return scale[1], scale[0]
+    if kind == "FixedShapeResize":
+        return int(transform["height"]), int(transform["width"])
+    if kind == "RandomCrop" and transform.get("crop_type", "absolute") == "absolute":
+        width, height = transform["crop_size"]
+        return int(height), int(width)
+    return None
+
+
+def default_shape(cfg) -> Tuple[Tuple[int, int], str]:
+    """The synthetic (H, W) for a config, and where it came from.
+
+    The first fixed size in the training pipeline (e.g. the LSJ crop of Mask2Former's configs: 1024x1024), else in
+    the test pipeline (the DETR family's ``Resize(scale=(1333, 800), keep_ratio=True)``: 800x1333), else 800x1333.
+    """
+    for name, pipeline in config_pipelines(cfg):
+        for transform in pipeline:
+            size = fixed_size(transform)
+            if size is not None:
+                return size, f"{name}: {_type_name(transform)}"
+    return FALLBACK_SHAPE, "the config's pipelines fix no size: mmdet's usual COCO test scale"
+
+
+def shape_problems(cfg, shape: Tuple[int, int]) -> List[str]:
+    """Why the config's model cannot take a batch of (H, W) images; empty when it can."""
+    height, width = shape
+    if height < 1 or width < 1:
+        return [f"{height}x{width} is not an image size"]
+    preprocessor = cfg.model.get("data_preprocessor") or {}
+    divisor = preprocessor.get("pad_size_divisor", 1) or 1
+    padded = (math.ceil(height / divisor) * divisor, math.ceil(width / divisor) * divisor)
+    problems = []
+    for augment in preprocessor.get("batch_augments") or []:
+        if _type_name(augment) != "BatchFixedSizePad":
+            continue
+        fixed = tuple(augment["size"])
+        smaller = padded[0] < fixed[0] or padded[1] < fixed[1]
+        larger = padded[0] > fixed[0] or padded[1] > fixed[1]
+        if smaller and larger:
+            problems.append(
+                f"the data preprocessor pads every batch to {fixed[0]}x{fixed[1]} (BatchFixedSizePad, the training "
+                f"crop), but the batch is {padded[0]}x{padded[1]} (after padding to a multiple of {divisor}): larger "
+                "on one side and smaller on the other. BatchFixedSizePad then pads the images to "
+                f"{max(padded[0], fixed[0])}x{max(padded[1], fixed[1])} but records {fixed[0]}x{fixed[1]} and "
+                "reshapes the instance masks to it, which fails ('cannot reshape array ...'). Use a shape within "
+                f"{fixed[0]}x{fixed[1]}, or at least as large on both sides")
+    return problems
