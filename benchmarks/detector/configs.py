@@ -14,7 +14,17 @@ import torch
 
 from benchmarks.detector.rows import Row
 
+# What makes a config deform_plugin's rather than stock mmdet's: the package's imports, its hook, its optimizer
+# constructor, and its drop-in types with the mmengine types they extend (same arguments), which stock runs use.
+PLUGIN_PACKAGE = "deform_plugin"
+FAST_PATHS_HOOK = "FastPathsHook"
 MERGED_CONSTRUCTOR = "MergedParamGroupsOptimWrapperConstructor"
+PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWrapper": "AmpOptimWrapper",
+                     "DeferredRuntimeInfoHook": "RuntimeInfoHook"}
+# The FastPathsHook switches (and the graph inference) that each FAST choice of a row turns on.
+FAST_PATH_SWITCHES = {"optim": (), "sdpa": ("sdpa_attention",), "matching": ("batched_matching",),
+                      "losses": ("sync_free_losses",), "forward": ("sync_free_forward",),
+                      "graph": ("graph_inference",)}
 # mmdet's usual COCO test scale, used when a config's pipelines fix no size.
 FALLBACK_SHAPE = (800, 1333)
 
@@ -37,11 +47,13 @@ def load_config(path: str, cfg_options: Optional[dict], plugin: bool):
     cfg = read_config(path, cfg_options)
     imports = list((cfg.get("custom_imports") or {}).get("imports", []))
     if not plugin:
-        imports = [name for name in imports if not name.startswith("deform_plugin")]
+        imports = [name for name in imports if name.split(".")[0] != PLUGIN_PACKAGE]
         if cfg.get("custom_hooks"):
-            cfg.custom_hooks = [h for h in cfg.custom_hooks if h.get("type") != "FastPathsHook"]
+            cfg.custom_hooks = [h for h in cfg.custom_hooks if h.get("type") != FAST_PATHS_HOOK]
         if cfg.optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:
             cfg.optim_wrapper.pop("constructor")
+        if cfg.optim_wrapper.get("type") in PLUGIN_TYPE_BASES:
+            cfg.optim_wrapper.type = PLUGIN_TYPE_BASES[cfg.optim_wrapper.type]
     else:
         for name in ("deform_plugin", "deform_plugin.engine"):
             if name not in imports:
@@ -77,26 +89,25 @@ def resolve_fast_paths(cfg, row: Row) -> Dict[str, bool]:
     from deform_plugin.engine import fast_path_switches_from_config
     forced = row.fast_set()
     if forced is None:
-        switches = fast_path_switches_from_config(cfg)
-        return {"sdpa_attention": switches.get("sdpa_attention", False),
-                "hungarian_host_syncs": switches.get("hungarian_host_syncs", False)}
+        return dict(fast_path_switches_from_config(cfg))
     if "optim" in forced:
         cfg.optim_wrapper["constructor"] = MERGED_CONSTRUCTOR
     elif cfg.optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:
         cfg.optim_wrapper.pop("constructor")
-    return {"sdpa_attention": "sdpa" in forced, "hungarian_host_syncs": "matching" in forced}
+    return {switch: True for choice in forced for switch in FAST_PATH_SWITCHES.get(choice, ())}
 
 
-def optim_wrapper_config(cfg, mode: str):
-    """The config's optimizer wrapper in ``mode``: fp32 drops AMP, fp16/bf16 make it an ``AmpOptimWrapper``."""
+def optim_wrapper_config(cfg, mode: str, plugin: bool = False):
+    """The config's optimizer wrapper in ``mode``: fp32 drops AMP; fp16/bf16 make it the AMP wrapper the training
+    scripts use (mmengine's ``AmpOptimWrapper`` for stock, ``SyncFreeAmpOptimWrapper`` as tools/train.py sets it)."""
     ow = copy.deepcopy(cfg.optim_wrapper)
     if mode == "fp32":
-        if ow.get("type") == "AmpOptimWrapper":
+        if ow.get("type") in ("AmpOptimWrapper", "SyncFreeAmpOptimWrapper"):
             ow["type"] = "OptimWrapper"
             ow.pop("dtype", None)
             ow.pop("loss_scale", None)
         return ow
-    ow["type"] = "AmpOptimWrapper"
+    ow["type"] = "SyncFreeAmpOptimWrapper" if plugin else "AmpOptimWrapper"
     ow["dtype"] = "float16" if mode == "fp16" else "bfloat16"
     ow.setdefault("loss_scale", "dynamic")
     return ow

@@ -6,7 +6,8 @@
     MODE     fp32 | fp16 | bf16    (fp16/bf16 = mmengine ``AmpOptimWrapper`` with that dtype; autocast at inference)
     FAST     config (default: whatever the config selects) | none | all | a '+' list of
              optim (merged param groups + fused/foreach optimizer), sdpa (SDPA attention bricks),
-             matching (Hungarian matching with fewer host syncs)
+             matching (batched Hungarian matching with fewer host syncs), losses (sync-free loss normalisers),
+             forward (sync-free forward), graph (inference rows: the forward captured in a CUDA graph)
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from typing import List, Optional
 
 BACKEND_CHOICES = ("stock", "mmcv", "pytorch", "triton", "auto")
 MODE_CHOICES = ("fp32", "fp16", "bf16")
-FAST_PATH_CHOICES = ("optim", "sdpa", "matching")
+FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "forward", "graph")
 
 
 @dataclass(frozen=True)

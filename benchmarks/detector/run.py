@@ -114,11 +114,12 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
     model.init_weights()
     model.to(device)
     result["fast_path_sites"] = {}
+    graph_inference = switches.pop("graph_inference", False)
     if row.plugin and any(switches.values()):
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         result["fast_path_sites"] = apply_fast_paths(model, **switches)
     model.train()
-    optim_wrapper = build_optim_wrapper(model, optim_wrapper_config(cfg, row.mode))
+    optim_wrapper = build_optim_wrapper(model, optim_wrapper_config(cfg, row.mode, plugin=row.plugin))
     optimizer = optim_wrapper.optimizer
     result["optimizer"] = {"constructor": cfg.optim_wrapper.get("constructor", "DefaultOptimWrapperConstructor"),
                            "param_groups": len(optimizer.param_groups),
@@ -135,6 +136,9 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
                   flush=True)
         if args.inference_steps > 0:
             batch1 = make_batch(model, 1, height, width, args.num_gts, args.seed)
+            if graph_inference and device.type == "cuda":
+                from deform_plugin.integration.mmdet_graph_inference import enable_graph_inference
+                result["fast_path_sites"]["graph_inference"] = type(enable_graph_inference(model)).__name__
             result["inference"] = time_inference(model, batch1, device, row.mode, args.inference_warmup,
                                                  args.inference_steps, not args.no_progress, label)
             print(f"{label} " + mmdet_line("inference", result["inference"]["fps"],

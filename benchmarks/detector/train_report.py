@@ -11,39 +11,18 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
+from ..common import repo_commit
 from .coco_source import CocoSource
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-COMMIT_ENV = "DEFORM_PLUGIN_COMMIT"
 REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
               "peak_allocated_mib", "speedup", "amp_dtype", "iters", "batch_size", "workers")
-
-
-def repo_commit() -> str:
-    """``$DEFORM_PLUGIN_COMMIT`` (a copy without .git names its commit so), else this checkout's short HEAD
-    (``+dirty`` with uncommitted changes to tracked files), else ``'unknown'``."""
-    named = os.environ.get(COMMIT_ENV)
-    if named:
-        return named
-
-    def git(*argv: str) -> str:
-        try:
-            return subprocess.run(["git", *argv], cwd=REPO_ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
-        return "unknown"
-    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def package_version(*names: str) -> str:

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .coco_source import CocoSource, ensure_coco_source
+from .configs import FAST_PATHS_HOOK, MERGED_CONSTRUCTOR, PLUGIN_PACKAGE, PLUGIN_TYPE_BASES
 from .iteration_timer import validate_windows
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,12 +47,6 @@ OUR_TRAIN_SCRIPT = REPO_ROOT / "tools" / "train.py"
 STOCK_LAUNCHER = "benchmarks.detector.stock_train"
 TIMER_MODULE = "benchmarks.detector.iteration_timer"
 TIMER_HOOK = "IterationTimerHook"
-PLUGIN_PACKAGE = "deform_plugin"
-FAST_PATHS_HOOK = "FastPathsHook"
-MERGED_CONSTRUCTOR = "MergedParamGroupsOptimWrapperConstructor"
-# deform_plugin's drop-in types and the mmengine types they extend (same arguments): a stock row runs the latter.
-PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWrapper": "AmpOptimWrapper",
-                     "DeferredRuntimeInfoHook": "RuntimeInfoHook"}
 SUPPORTED_DATASET = "CocoDataset"
 NEVER = 10 ** 9  # an interval no benchmark reaches
 SIDES = ("stock", "ours")
