@@ -27,17 +27,13 @@ from typing import Optional, Sequence
 # before torch loads its OpenMP runtime.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# A checkout's tools run that checkout's plugin, installed or not.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import deform_plugin  # noqa: E402,F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
 from mmengine.config import DictAction
 from mmengine.hooks import Hook
 from tqdm import tqdm
 
+from deform_plugin.cli import build_runner, load_config
 from deform_plugin.datasets import ensure_shapes_dataset
-
-sys.path.insert(0, osp.dirname(osp.abspath(__file__)))
-from train import build_runner, load_config  # noqa: E402  (the sibling script, shared config handling)
 
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
 DEFAULT_CONFIG = osp.join(REPO_ROOT, "configs", "demo", "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py")

@@ -9,20 +9,15 @@ mmengine writes. mmdet's ``--tta`` is not offered.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional, Sequence
 
-# A checkout's tools run that checkout's plugin, installed or not.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import deform_plugin  # noqa: E402,F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
-
+import deform_plugin  # noqa: F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
 from mmdet.engine.hooks.utils import trigger_visualization_hook
 from mmdet.evaluation import DumpDetResults
 from mmdet.utils import setup_cache_size_limit_of_dynamo
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import build_runner, load_config, parse_with_common_arguments  # noqa: E402  (the sibling script, shared config handling)
+from deform_plugin.cli import build_runner, load_config, parse_with_common_arguments
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
