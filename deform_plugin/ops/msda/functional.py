@@ -9,6 +9,7 @@ from torch.profiler import record_function
 
 from ..backend import registered_backend, resolve_backend
 from .checks import check_fused_msda_inputs, check_msda_inputs
+from .export import fused_multi_scale_deformable_attn_export, in_onnx_export, multi_scale_deformable_attn_export
 from .level_tables import host_level_tables
 from .reference import multi_scale_deformable_attn_reference, sampling_locations_from_offsets
 
@@ -48,6 +49,9 @@ def multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch.Tenso
         torch.Size([2, 100, 256])
     """
     shape = check_msda_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+    if in_onnx_export():  # standard ONNX operators whatever the backend (see .export)
+        return multi_scale_deformable_attn_export(value, spatial_shapes, level_start_index, sampling_locations,
+                                                  attention_weights)
     name = resolve_backend(OP_NAME, backend, value.device)
     if shape.is_empty:
         return value.new_zeros((shape.batch, shape.num_queries, shape.num_heads * shape.head_dim))
@@ -101,6 +105,9 @@ def fused_multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch
     """
     shape = check_fused_msda_inputs(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
                                     attention_logits)
+    if in_onnx_export():  # standard ONNX operators whatever the backend (see .export)
+        return fused_multi_scale_deformable_attn_export(value, spatial_shapes, level_start_index, reference_points,
+                                                        sampling_offsets, attention_logits)
     name = resolve_backend(OP_NAME, backend, value.device)
     if shape.is_empty:
         return value.new_zeros((shape.batch, shape.num_queries, shape.num_heads * shape.head_dim))
