@@ -33,18 +33,16 @@ class LaunchConfig:
     num_stages: int = 1
 
 
-def choose_config(head_dim: int, num_queries: int, block_q: Optional[int] = None,
-                  num_warps: Optional[int] = None) -> LaunchConfig:
+def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optional[int] = None) -> LaunchConfig:
     """Blocks of about 1K elements ([32 queries x 32 channels] at head_dim 32), 4 warps, with overrides for tuning.
 
     Measured on an H200 (docs/kernels.md): small tiles win in both directions, since many resident programs keep
     more independent gathers in flight than a large tile per program does; 128 x 32 tiles were 1.2-2x slower.
+    The blocks depend on head_dim only, never on the query count: a new image size must not compile a new variant.
     """
     block_d = next_power_of_2(head_dim)
     if block_q is None:
         block_q = max(1, 1024 // block_d)
-        # Do not pad a tiny query count up to a large block.
-        block_q = min(block_q, max(16, next_power_of_2(num_queries)))
     if num_warps is None:
         num_warps = max(1, min(8, block_q * block_d // 256))
     return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
@@ -89,7 +87,7 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
         return output.zero_()
     shapes, starts = _level_tables(spatial_shapes, level_start_index, value.device)
     fused = reference_points is not None
-    config = config or choose_config(head_dim, num_queries)
+    config = config or choose_config(head_dim)
     grid = (triton.cdiv(num_queries, config.block_q), num_heads, batch)
     with launch_device(value):
         msda_forward_kernel[grid](
@@ -164,7 +162,7 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
         entry_keys = entry_coefs = None
 
     shapes, starts = _level_tables(spatial_shapes, level_start_index, value.device)
-    config = config or choose_config(head_dim, num_queries)
+    config = config or choose_config(head_dim)
     grid = (triton.cdiv(num_queries, config.block_q), num_heads, batch)
     unused = grad_samples  # stands for pointer arguments a variant does not use
     with launch_device(value):

@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements of a release, on a fresh host without registry access (one or two GPUs).
+#
+#   bash benchmarks/gpu_session.sh PHASE [OUT]
+#
+# PHASE:
+#   tests     mmcv's CUDA ops start building in the background (the stock baseline, into the system site); the GPU
+#             tests run meanwhile on mmcv-lite; then the MSDA entry benchmark runs against the stock op.
+#   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours, and the
+#             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
+#   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and a step profile.
+# It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
+# to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
+set -uo pipefail
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale [OUT]}
+out=${2:-${OUT:-bench_results/gpu}}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+results="$repo/bench_results/gpu-$phase"
+mkdir -p "$results"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export DEFORM_PLUGIN_COMMIT=${DEFORM_PLUGIN_COMMIT:-unknown}
+gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
+lite=/tmp/site_lite   # mmcv-lite: deform_plugin's stand-in serves MSDA, focal loss and NMS
+full=/tmp/site_full   # mmcv built from source: stock mmdet + mmcv, the baseline
+build_log=/tmp/mmcv_build.log
+
+install_wheels() {
+  [ -d "$lite" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$lite" .whl/*.whl
+  [ -d "$full" ] || ls .whl/*.whl | grep -v mmcv_lite \
+    | xargs python3 -m pip install -q --no-index --no-deps --no-compile --target "$full"
+}
+
+build_mmcv() {  # the stock baseline: mmcv 2.1.0's own CUDA ops for sm_90, into the system site (4-5 min)
+  python3 -c "import mmcv._ext" 2>/dev/null && return 0
+  rm -rf /tmp/mmcv-src && mkdir -p /tmp/mmcv-src && tar xzf .whl/src/mmcv-2.1.0.tar.gz -C /tmp/mmcv-src
+  (cd /tmp/mmcv-src/mmcv-2.1.0 && PYTHONPATH=$full MMCV_WITH_OPS=1 FORCE_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 \
+     MAX_JOBS=$(nproc) python3 -m pip install -q --no-build-isolation --no-deps . > "$build_log" 2>&1)
+}
+
+start_mmcv_build() {  # once per host: later phases on the same (warm) host reuse the build
+  [ -f /tmp/mmcv_build.started ] && return 0
+  touch /tmp/mmcv_build.started
+  (build_mmcv; touch /tmp/mmcv_build.done) &
+}
+
+wait_for_mmcv() {
+  start_mmcv_build
+  while [ ! -f /tmp/mmcv_build.done ]; do sleep 5; done
+  PYTHONPATH=$full python3 -c "import mmcv._ext, mmcv; print('stock mmcv', mmcv.__version__, 'with compiled ops')" \
+    || { echo "mmcv's build failed: stock rows will fail"; tail -20 "$build_log"; }
+}
+
+# Every job ends before the phase's deadline, so that the results are packed even when a job runs long.
+deadline=$(( SECONDS + ${PHASE_SECONDS:-560} ))
+left() { local s=$(( deadline - SECONDS )); echo $(( s > 5 ? s : 5 )); }
+with_lite() { PYTHONPATH="$lite:$repo" "$@"; }
+with_full() { PYTHONPATH="$full:$repo" "$@"; }
+on_gpu() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu "$@"; }
+second_gpu=$(( gpus > 1 ? 1 : 0 ))
+
+install_wheels
+case "$phase" in
+tests)
+  start_mmcv_build
+  on_gpu 0 with_lite timeout $(( $(left) - 20 )) python3 -m pytest -q -p no:cacheprovider tests/ops tests/models \
+      tests/integration/test_mmdet_graph_inference.py 2>&1 | tee "$results/gpu_tests.log" | tail -25 &
+  tests_pid=$!
+  if [ "$second_gpu" = 1 ]; then
+    on_gpu 1 with_lite timeout 150 python3 tools/bench_deform_sdpa.py --out "$results" \
+        > "$results/bench_deform_sdpa.log" 2>&1
+  fi
+  wait_for_mmcv
+  on_gpu $second_gpu with_full timeout $(( $(left) - 15 )) python3 tools/bench_msda_entry.py --out "$results" 2>&1 \
+      | tee "$results/bench_msda_entry.log" | tail -40
+  wait $tests_pid
+  ;;
+train)
+  wait_for_mmcv
+  rows="stock:fp32 ours:fp32 ours:bf16"
+  run_train() {  # GPU CONFIG NAME
+    on_gpu "$1" with_full timeout $(left) python3 tools/benchmark_train.py "$2" --rows $rows --iters 100 \
+        --batch-size 2 --workers 4 --out-dir "$results/train_$3" > "$results/train_$3.log" 2>&1
+    tail -12 "$results/train_$3.log"
+  }
+  run_train 0 configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py ddetr &
+  first=$!
+  if [ "$second_gpu" = 1 ]; then
+    run_train 1 configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py dino
+  fi
+  wait $first
+  run_train 0 configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py mask2former &
+  first=$!
+  [ "$second_gpu" = 1 ] || run_train 0 configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py dino
+  on_gpu $second_gpu with_full timeout $(left) python3 tools/benchmark.py \
+      configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
+      configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py \
+      configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py \
+      --rows stock:fp32 triton:fp32:all triton:bf16:all --steps 0 --inference-warmup 5 --inference-steps 20 \
+      --no-progress --out-dir "$results" --name inference > "$results/inference.log" 2>&1
+  tail -30 "$results/inference.log"
+  wait $first
+  ;;
+scale)
+  wait_for_mmcv
+  config=configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py
+  if [ "$gpus" -ge 2 ]; then
+    for n in 1 2; do
+      with_full timeout $(left) python3 tools/benchmark_train.py "$config" --rows ours:bf16 --iters 60 \
+          --batch-size 2 --workers 4 \
+          --gpus $n --out-dir "$results/ddp_$n" > "$results/ddp_$n.log" 2>&1
+      tail -6 "$results/ddp_$n.log"
+    done
+  fi
+  demo_plain=configs/demo/deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py
+  demo_fast=configs/fast/deformable-detr-refine_r18_tiny_1xb4-500i_shapes-fast.py
+  DEFORM_PLUGIN_BACKEND=mmcv on_gpu 0 with_full timeout $(left) python3 tools/train.py $demo_plain \
+      --work-dir "$results/demo_fp32_mmcv" > "$results/demo_fp32_mmcv.log" 2>&1 &
+  on_gpu $second_gpu with_full timeout $(left) python3 tools/train.py $demo_fast --amp-dtype bfloat16 \
+      --work-dir "$results/demo_bf16_fast" > "$results/demo_bf16_fast.log" 2>&1
+  wait
+  grep -h "bbox_mAP" "$results"/demo_*.log | tail -4
+  on_gpu 0 with_full timeout $(left) python3 tools/profile_step.py \
+      configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
+      --rows stock:fp32 triton:bf16:none triton:bf16:config --profile-steps 3 --no-progress \
+      --out-dir "$results" --name profile > "$results/profile.log" 2>&1
+  tail -20 "$results/profile.log"
+  ;;
+*)
+  echo "unknown phase $phase" >&2; exit 2;;
+esac
+cp -f "$build_log" "$results/" 2>/dev/null
+find "$results" -name "*.pth" -delete
+tar czf "$out/results-$phase.tgz" -C "$repo/bench_results" "gpu-$phase"
+ls -la "$out"
