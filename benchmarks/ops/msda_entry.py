@@ -74,6 +74,8 @@ def entries(case: Case, dtype: torch.dtype, dist: str, device="cuda") -> List[En
                   batch_first=True, dropout=0.0)
     ours = MultiScaleDeformableAttention(**kwargs, backend="triton").to(device=device, dtype=dtype)
     ours.init_weights()
+    # eval(): no dropout, so no random numbers are drawn inside a captured graph.
+    ours.eval()
     query = _leaf(torch.randn(case.batch, case.num_queries, embed_dims, generator=generator, device=device).to(dtype))
     memory = _leaf(torch.randn(case.batch, case.num_keys, embed_dims, generator=generator, device=device).to(dtype))
     ref_points = ref[..., :2].to(dtype)
@@ -86,6 +88,7 @@ def entries(case: Case, dtype: torch.dtype, dist: str, device="cuda") -> List[En
             value_l, shapes, starts, locations_l, weights_l, im2col_step), [value_l, locations_l, weights_l]))
         stock = StockModule(**kwargs).to(device=device, dtype=dtype)
         stock.load_state_dict(ours.state_dict())
+        stock.eval()
         result.append(Entry("stock module", module_call(stock), [query, memory, *stock.parameters()]))
     return result
 
