@@ -72,10 +72,11 @@ def entries(case: Case, dtype: torch.dtype, dist: str, device="cuda") -> List[En
     embed_dims = case.heads * case.head_dim
     kwargs = dict(embed_dims=embed_dims, num_heads=case.heads, num_levels=levels, num_points=case.points,
                   batch_first=True, dropout=0.0)
-    ours = MultiScaleDeformableAttention(**kwargs, backend="triton").to(device=device, dtype=dtype)
+    # Initialised on the CPU and in eval mode (no dropout): the CUDA generator is never used, so an entry whose
+    # capture fails (the stock module syncs) cannot leave it in a capturing state for the next entries.
+    ours = MultiScaleDeformableAttention(**kwargs, backend="triton")
     ours.init_weights()
-    # eval(): no dropout, so no random numbers are drawn inside a captured graph.
-    ours.eval()
+    ours = ours.to(device=device, dtype=dtype).eval()
     query = _leaf(torch.randn(case.batch, case.num_queries, embed_dims, generator=generator, device=device).to(dtype))
     memory = _leaf(torch.randn(case.batch, case.num_keys, embed_dims, generator=generator, device=device).to(dtype))
     ref_points = ref[..., :2].to(dtype)
@@ -86,9 +87,8 @@ def entries(case: Case, dtype: torch.dtype, dist: str, device="cuda") -> List[En
         im2col_step = math.gcd(case.batch, 64)
         result.append(Entry("stock op", lambda: MultiScaleDeformableAttnFunction.apply(
             value_l, shapes, starts, locations_l, weights_l, im2col_step), [value_l, locations_l, weights_l]))
-        stock = StockModule(**kwargs).to(device=device, dtype=dtype)
+        stock = StockModule(**kwargs).to(device=device, dtype=dtype).eval()
         stock.load_state_dict(ours.state_dict())
-        stock.eval()
         result.append(Entry("stock module", module_call(stock), [query, memory, *stock.parameters()]))
     return result
 
@@ -138,7 +138,8 @@ def host_us_per_call(run: Callable[[], object], calls: int = HOST_CALLS) -> floa
 
 
 def time_entry(entry: Entry, rep: int) -> Dict[str, Optional[float]]:
-    grad_output = torch.randn_like(entry.call().detach())
+    out = entry.call().detach()
+    grad_output = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out)
     runs = {"fwd": _forward(entry), "fwd+bwd": _forward_backward(entry, grad_output)}
     result: Dict[str, Optional[float]] = {}
     for mode, run in runs.items():
