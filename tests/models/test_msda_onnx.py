@@ -60,10 +60,13 @@ def make_inputs(box_reference):
 
 
 def export_and_compare(backend, box_reference, with_mask, dynamo, path):
-    module = MSDACall(make_module(backend), with_mask)
+    # The Triton backend runs where it can: CUDA on a GPU machine, the interpreter on a CPU-only one (conftest).
+    device = "cuda" if backend in ("triton", "auto") and torch.cuda.is_available() else "cpu"
+    module = MSDACall(make_module(backend), with_mask).to(device)
     inputs = make_inputs(box_reference)
     with torch.no_grad():
-        expected = module(**inputs)
+        expected = module(**{k: v.to(device) for k, v in inputs.items()}).cpu()
+    inputs = {k: v.to(device) for k, v in inputs.items()}
     opset = 18 if dynamo else 17  # 18: the dynamo exporter's lowest opset with its own translations
     export_kwargs = dict(verbose=False) if dynamo else {}
     torch.onnx.export(module, tuple(inputs.values()), str(path), input_names=list(INPUT_NAMES), dynamo=dynamo,
@@ -73,7 +76,7 @@ def export_and_compare(backend, box_reference, with_mask, dynamo, path):
     assert "GridSample" in {node.op_type for node in model.graph.node}
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     names = {i.name for i in session.get_inputs()}
-    got = session.run(None, {k: v.numpy() for k, v in inputs.items() if k in names})[0]
+    got = session.run(None, {k: v.cpu().numpy() for k, v in inputs.items() if k in names})[0]
     error = (torch.from_numpy(got) - expected).abs().max().item()
     assert error <= 1e-4, f"max abs error {error:.3g}"
     assert expected.abs().max() > 0.1  # not a vacuous comparison
