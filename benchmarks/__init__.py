@@ -1,0 +1,1 @@
+"""deform_plugin's benchmarks (op benchmarks under :mod:`benchmarks.ops`)."""
