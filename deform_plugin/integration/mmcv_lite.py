@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import math
 import sys
 import types
 from typing import Callable, Dict
@@ -79,27 +80,156 @@ def _class_weight(weight: torch.Tensor, target: torch.Tensor, like: torch.Tensor
     return per_row[:, None]
 
 
+# Greedy NMS decides this many boxes (in score order) per step, with one small host copy per step.
+_NMS_BLOCK = 256
+# Boxes per spatial tile: a kept box is tested against the boxes of the tiles whose bounding box it overlaps.
+_NMS_TILE = 32
+# IoU pairs evaluated at once: bounds every temporary of the suppression step (4 MB of float32).
+_NMS_PAIRS = 1 << 20
+
+
 def nms(boxes: torch.Tensor, scores: torch.Tensor, iou_threshold: float = 0.5, offset: int = 0) -> torch.Tensor:
-    """Greedy NMS: indices of kept boxes in descending score order (mmcv's ``nms`` contract)."""
+    """Greedy NMS: indices of the kept boxes in descending score order (mmcv's compiled ``nms``).
+
+    The same results as mmcv's CPU kernel (``mmcv/ops/csrc/pytorch/cpu/nms.cpp``): boxes are visited in the order
+    of ``scores.sort(0, descending=True)`` (the very call the kernel makes, so tied scores fall the same way), and a
+    kept box suppresses every later box whose IoU with it exceeds ``iou_threshold``, computed in float32 as the
+    kernel does: ``w = max(0, min(x2) - max(x1) + offset)``, likewise ``h``, ``inter = w * h``,
+    ``IoU = inter / (area_i + area_j - inter)`` with ``area = (x2 - x1 + offset) * (y2 - y1 + offset)``, and the
+    threshold rounded to float32. (mmcv's CUDA kernel tests ``inter > threshold * union`` instead, which can differ
+    from its own CPU kernel in the last bit at an IoU equal to the threshold.)
+
+    Memory is O(N); no N x N matrix exists. Boxes are decided ``_NMS_BLOCK`` at a time in score order: the block's
+    own IoU mask is resolved greedily on the host (one ``block x block / 8`` byte copy), then the block's kept boxes
+    suppress later boxes on the boxes' device. For that step the boxes are grouped once into spatial tiles of
+    ``_NMS_TILE`` (sorted by size class and Z-order of their centres); a kept box is tested only against the boxes
+    of tiles whose bounding box it overlaps (with a non-negative threshold, boxes that do not overlap cannot
+    suppress each other), ``_NMS_PAIRS`` pairs at a time; whenever fewer than half of the tiled boxes are still
+    undecided, the tiles are rebuilt from those alone. Time stays quadratic only where every box overlaps every
+    other without suppressing it. (Boxes with NaN coordinates may be kept where the kernel's ``std::max`` would have
+    ignored the NaN.)
+    """
     if boxes.numel() == 0:
-        return boxes.new_zeros(0, dtype=torch.long)
-    order = scores.argsort(descending=True)
-    boxes = boxes[order].float()
-    area = (boxes[:, 2] - boxes[:, 0] + offset) * (boxes[:, 3] - boxes[:, 1] + offset)
-    top_left = torch.maximum(boxes[:, None, :2], boxes[None, :, :2])
-    bottom_right = torch.minimum(boxes[:, None, 2:], boxes[None, :, 2:])
-    size = (bottom_right - top_left + offset).clamp_min(0)
-    inter = size[..., 0] * size[..., 1]
-    iou = inter / (area[:, None] + area[None, :] - inter).clamp_min(1e-12)
-    overlaps = (iou > iou_threshold).cpu()
-    suppressed = torch.zeros(len(boxes), dtype=torch.bool)
+        return torch.zeros(0, dtype=torch.long, device=boxes.device)
+    count = len(boxes)
+    order = scores.sort(0, descending=True)[1]
+    x1, y1, x2, y2 = boxes[order].float().t()
+    area = (x2 - x1 + offset) * (y2 - y1 + offset)
+    # (5, N + 1) in score order; the last column is a box that overlaps nothing, padding the last tile.
+    pad = torch.tensor([[math.inf], [math.inf], [-math.inf], [-math.inf], [0.0]], device=boxes.device)
+    coords = torch.cat([torch.stack([x1, y1, x2, y2, area]), pad], 1)
+    threshold = torch.tensor(float(iou_threshold), dtype=torch.float32, device=boxes.device)
+    # A negative threshold lets boxes that do not even touch suppress each other (IoU 0): no pruning then.
+    prune = float(threshold) >= 0
+    alive = torch.ones(count + 1, dtype=torch.bool, device=boxes.device)  # undecided boxes, in score order
+    alive[count] = False
+    spatial = _spatial_order(coords[:, :count])
+    members, tile_boxes = _tiles(coords, spatial, count)
     kept = []
-    for i in range(len(boxes)):
-        if not suppressed[i]:
-            kept.append(i)
-            suppressed |= overlaps[i]
-    keep = torch.tensor(kept, dtype=torch.long, device=order.device)
-    return order[keep]
+    cursor = 0
+    while True:
+        block = alive[cursor:].nonzero().squeeze(1)[:_NMS_BLOCK] + cursor
+        if not block.numel():
+            break
+        cursor = int(block[-1]) + 1
+        block_coords = coords[:, block]
+        keep = _greedy(_suppression(block_coords[:, :, None], block_coords[:, None, :], offset, threshold).triu_(1))
+        kept.append(block[keep])
+        alive[block] = False
+        winners = block_coords[:, keep]
+        if prune:
+            pairs = _overlap(winners[:4, :, None], tile_boxes[:, None, :], offset).nonzero()
+        else:
+            pairs = torch.cartesian_prod(torch.arange(winners.shape[1], device=boxes.device),
+                                         torch.arange(len(members), device=boxes.device)).view(-1, 2)
+        step = max(1, _NMS_PAIRS // _NMS_TILE)
+        for first in range(0, len(pairs), step):
+            winner, tile = pairs[first:first + step].unbind(1)
+            candidates = members[tile]
+            others = coords.index_select(1, candidates.flatten()).view(5, *candidates.shape)
+            suppressed = _suppression(winners[:, winner, None], others, offset, threshold)
+            alive[candidates[suppressed]] = False
+        if 2 * int(alive.sum()) < members.numel():
+            # Most tiled boxes are decided: keep the undecided ones, in the same spatial order, in fewer tiles.
+            spatial = spatial[alive[spatial]]
+            members, tile_boxes = _tiles(coords, spatial, count)
+    return order[torch.cat(kept)]
+
+
+def _spatial_order(coords: torch.Tensor) -> torch.Tensor:
+    """Positions of ``coords`` ``(5, n)`` sorted by size class (log2 of the longer side), then Z-order of centres."""
+    x1, y1, x2, y2 = (torch.nan_to_num(c, nan=0.0, posinf=0.0, neginf=0.0) for c in coords[:4])
+    size = torch.maximum(x2 - x1, y2 - y1).clamp(1.0, 2.0 ** 40)
+    size_class = size.log2().floor().long()
+    codes = []
+    for centre in ((x1 + x2) / 2, (y1 + y2) / 2):
+        low, high = centre.min(), centre.max()
+        cell = ((centre - low) / (high - low).clamp_min(1e-6) * 65535).long().clamp(0, 65535)
+        for shift, mask in ((8, 0x00FF00FF), (4, 0x0F0F0F0F), (2, 0x33333333), (1, 0x55555555)):
+            cell = (cell | (cell << shift)) & mask  # spread the 16 bits to the even bit positions
+        codes.append(cell)
+    return torch.argsort((size_class << 32) | codes[0] | (codes[1] << 1))
+
+
+def _tiles(coords: torch.Tensor, spatial: torch.Tensor, pad: int):
+    """``_NMS_TILE`` consecutive positions of ``spatial`` per tile (padded with column ``pad``) and each tile's
+    bounding box ``(4, tiles)``; NaN coordinates widen it to infinity, so no member can be pruned wrongly."""
+    members = torch.cat([spatial, spatial.new_full(((-len(spatial)) % _NMS_TILE,), pad)]).view(-1, _NMS_TILE)
+    x1, y1, x2, y2 = coords[:4, members]
+    return members, torch.stack([torch.nan_to_num(x1, nan=-math.inf).amin(1),
+                                 torch.nan_to_num(y1, nan=-math.inf).amin(1),
+                                 torch.nan_to_num(x2, nan=math.inf).amax(1),
+                                 torch.nan_to_num(y2, nan=math.inf).amax(1)])
+
+
+def _overlap(first: torch.Tensor, second: torch.Tensor, offset: int) -> torch.Tensor:
+    """Whether boxes ``first`` and ``second`` (x1, y1, x2, y2 along dim 0, broadcasting) intersect in mmcv's sense
+    (``min(x2) - max(x1) + offset > 0`` and likewise along y). Monotone in each coordinate, exactly as the IoU's
+    ``w`` and ``h``: a box overlapping no tile bounding box overlaps none of its members."""
+    width = torch.minimum(first[2], second[2]).sub_(torch.maximum(first[0], second[0]))
+    height = torch.minimum(first[3], second[3]).sub_(torch.maximum(first[1], second[1]))
+    return (width.add_(offset) > 0) & (height.add_(offset) > 0)
+
+
+def _suppression(winners: torch.Tensor, others: torch.Tensor, offset: int, threshold: torch.Tensor) -> torch.Tensor:
+    """IoU of ``winners`` and ``others`` above the threshold, in mmcv's float32 operation order.
+
+    Both are ``(5, ...)``: x1, y1, x2, y2, area along dim 0, the rest broadcasting against each other.
+    """
+    width = torch.minimum(winners[2], others[2]).sub_(torch.maximum(winners[0], others[0]))
+    height = torch.minimum(winners[3], others[3]).sub_(torch.maximum(winners[1], others[1]))
+    if offset:
+        width.add_(offset)
+        height.add_(offset)
+    inter = _clamp_to_zero(width).mul_(_clamp_to_zero(height))
+    union = torch.add(winners[4], others[4]).sub_(inter)
+    return inter.div_(union) > threshold
+
+
+def _clamp_to_zero(length: torch.Tensor) -> torch.Tensor:
+    # The kernel's std::max(0.f, v), in place: 0 for NaN too (clamp alone keeps NaN; fmax and where are slower).
+    return torch.nan_to_num_(length.clamp_min_(0), nan=0.0, posinf=math.inf, neginf=-math.inf)
+
+
+def _greedy(over: torch.Tensor) -> torch.Tensor:
+    """Kept positions of a block whose ``over[i, j]`` (i < j only) says that box i would suppress box j.
+
+    The mask travels to the host packed into bits, one Python int per row; the greedy scan is a loop of big-int ORs.
+    """
+    count = over.shape[0]
+    padded = over.new_zeros((count, -(-count // 8) * 8))
+    padded[:, :count] = over
+    bit_values = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=over.device)
+    packed = (padded.view(count, -1, 8).to(torch.uint8) * bit_values).sum(-1).to(torch.uint8)
+    data = bytes(packed.cpu().flatten().tolist())
+    row_bytes = packed.shape[1]
+    suppressed = 0
+    keep = []
+    for i in range(count):
+        if not (suppressed >> i) & 1:
+            keep.append(i)
+            suppressed |= int.from_bytes(data[i * row_bytes:(i + 1) * row_bytes], "little")
+    return torch.tensor(keep, dtype=torch.long, device=over.device)
 
 
 def ms_deform_attn_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights,

@@ -58,16 +58,17 @@ def _sample_location(loc_ptr, ref_ptr, loc_offset, ref_offset, level_h, level_w,
 
 @triton.jit
 def _pixel_coordinates(loc_x, loc_y, level_h, level_w):
-    # pixel = x * w - 0.5 (mmcv). Non-finite locations are parked at -2, where all four corners are outside;
-    # clamping keeps the float -> int conversion defined and only moves points whose corners are all outside.
-    finite = (tl.abs(loc_x) < float("inf")) & (tl.abs(loc_y) < float("inf"))
-    pixel_x = tl.where(finite, loc_x * level_w - 0.5, -2.0)
-    pixel_y = tl.where(finite, loc_y * level_h - 0.5, -2.0)
-    pixel_x = tl.minimum(tl.maximum(pixel_x, -2.0), level_w + 1.0)
-    pixel_y = tl.minimum(tl.maximum(pixel_y, -2.0), level_h + 1.0)
+    # pixel = x * w - 0.5 (mmcv). A sample is taken only inside (-1, w) x (-1, h) (mmcv's rule; false for NaN and
+    # inf too): at pixel -1 exactly the one in-map corner has weight 0, and 0 * inf there would be NaN. Untaken
+    # samples are parked at -2, where all four corners are outside, so the float -> int conversion stays defined.
+    pixel_x = loc_x * level_w - 0.5
+    pixel_y = loc_y * level_h - 0.5
+    taken = (pixel_x > -1.0) & (pixel_x < level_w) & (pixel_y > -1.0) & (pixel_y < level_h)
+    pixel_x = tl.where(taken, pixel_x, -2.0)
+    pixel_y = tl.where(taken, pixel_y, -2.0)
     x0f = tl.floor(pixel_x)
     y0f = tl.floor(pixel_y)
-    return finite, pixel_x - x0f, pixel_y - y0f, x0f.to(tl.int32), y0f.to(tl.int32)
+    return taken, pixel_x - x0f, pixel_y - y0f, x0f.to(tl.int32), y0f.to(tl.int32)
 
 
 @triton.jit
@@ -89,13 +90,13 @@ def _forward_level(acc, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, weigh
         weight = tl.load(weight_ptr + sample, mask=q_mask, other=0.0).to(ACC_DTYPE)
         if FUSED:
             weight = tl.exp(weight - row_max) / row_sum
-        finite, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
+        taken, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
         for corner in tl.static_range(4):
             dx = corner % 2
             dy = corner // 2
             cx = x0 + dx
             cy = y0 + dy
-            inside = finite & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
+            inside = taken & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
             wx = frac_x if dx == 1 else 1.0 - frac_x
             wy = frac_y if dy == 1 else 1.0 - frac_y
             key = level_start + (cy * level_w + cx).to(tl.int64)
@@ -213,7 +214,7 @@ def msda_backward_kernel(
             weight = tl.load(weight_ptr + sample, mask=q_mask, other=0.0).to(ACC_DTYPE)
             if FUSED:
                 weight = tl.exp(weight - row_max) / row_sum
-            finite, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
+            taken, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
             # d(sampled)/d(frac_x) and d/d(frac_y), contracted with grad_out over channels as they accumulate.
             sampled = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
             d_frac_x = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
@@ -223,7 +224,7 @@ def msda_backward_kernel(
                 dy = corner // 2
                 cx = x0 + dx
                 cy = y0 + dy
-                inside = finite & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
+                inside = taken & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
                 wx = frac_x if dx == 1 else 1.0 - frac_x
                 wy = frac_y if dy == 1 else 1.0 - frac_y
                 key = level_start + (cy * level_w + cx).to(tl.int64)
@@ -245,9 +246,9 @@ def msda_backward_kernel(
                     tl.atomic_add(grad_value_ptr + row_offset, coef[:, None] * grad_out, mask=corner_mask,
                                   sem="relaxed")
             grad_weight = tl.sum(grad_out * sampled, axis=1)
-            # Chain rule through pixel = loc * size - 0.5; zero where the location was not finite.
-            grad_pixel_x = tl.where(finite, weight * tl.sum(grad_out * d_frac_x, axis=1), 0.0)
-            grad_pixel_y = tl.where(finite, weight * tl.sum(grad_out * d_frac_y, axis=1), 0.0)
+            # Chain rule through pixel = loc * size - 0.5; zero where the sample was not taken.
+            grad_pixel_x = tl.where(taken, weight * tl.sum(grad_out * d_frac_x, axis=1), 0.0)
+            grad_pixel_y = tl.where(taken, weight * tl.sum(grad_out * d_frac_y, axis=1), 0.0)
             grad_loc_x = grad_pixel_x * level_wf
             grad_loc_y = grad_pixel_y * level_hf
             if FUSED:

@@ -126,6 +126,54 @@ def test_half_precision_computes_in_float32():
         assert (out.double() - exact).abs().max() <= 2 * rounding + 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_gradients_computed_in_float32(dtype):
+    value, spatial_shapes, level_start_index, locations, weights = make_inputs(SHAPES["L3-odd"], head_dim=8)
+    rounded = [t.to(dtype).requires_grad_() for t in (value, locations, weights)]
+    exact = [t.detach().double().requires_grad_() for t in rounded]
+    grad_output = torch.randn(2, 5, 3 * 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out = multi_scale_deformable_attn_reference(rounded[0], spatial_shapes, level_start_index, *rounded[1:])
+    grads = torch.autograd.grad(out, rounded, grad_output.to(dtype))
+    exact_out = multi_scale_deformable_attn_reference(exact[0], spatial_shapes, level_start_index, *exact[1:])
+    exact_grads = torch.autograd.grad(exact_out, exact, grad_output.to(dtype).double())
+    for grad, want, source in zip(grads, exact_grads, rounded):
+        assert grad.dtype == dtype and grad.shape == source.shape
+        # float32 math: what is left is the final rounding of each gradient to the storage dtype.
+        rounding = (want.to(dtype).double() - want).abs().max()
+        assert (grad.double() - want).abs().max() <= 2 * rounding + 1e-6
+
+
+def test_level_tables_as_tensors_or_host_sequences():
+    value, spatial_shapes, level_start_index, locations, weights = make_inputs(SHAPES["L3-odd"])
+    from_tensors = multi_scale_deformable_attn_reference(value, spatial_shapes, level_start_index, locations,
+                                                         weights)
+    host_shapes = tuple(tuple(row) for row in spatial_shapes.tolist())
+    from_host = multi_scale_deformable_attn_reference(value, host_shapes, tuple(level_start_index.tolist()),
+                                                      locations, weights)
+    assert torch.equal(from_tensors, from_host)
+
+
+def test_backward_keeps_only_the_inputs():
+    """The reference saves value, locations and weights for its backward, nothing else: it recomputes the corners.
+
+    A regression guard on memory that does not time anything: autograd through the corner gathers used to keep
+    4 * L gathered (B*H, Q*P, D) tensors.
+    """
+    value, spatial_shapes, level_start_index, locations, weights = make_inputs(SHAPES["L5"], queries=40, points=4)
+    inputs = [t.requires_grad_() for t in (value, locations, weights)]
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = multi_scale_deformable_attn_reference(inputs[0], spatial_shapes, level_start_index, *inputs[1:])
+    assert sum(saved) <= sum(t.numel() * t.element_size() for t in inputs)
+    grads = torch.autograd.grad(out.sum(), inputs)
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
 @pytest.mark.parametrize("batch,queries", [(0, 4), (2, 0)], ids=["B0", "Q0"])
 def test_empty_batch_or_queries(batch, queries):
     inputs = make_inputs(SHAPES["L3-odd"], batch=batch, queries=queries)
