@@ -116,6 +116,8 @@ class IterationTimerHook(Hook):
         self._last_iter = 0
         self._marks: Dict[int, Tuple[float, int]] = {}  # iteration -> (clock, images so far)
         self._compiles_after_warmup: Optional[Dict[str, int]] = None
+        self._peak_allocated = 0
+        self._peak_reserved = 0
 
     def _check_plugin(self, when: str) -> None:
         loaded = PLUGIN_MODULE in sys.modules
@@ -145,6 +147,11 @@ class IterationTimerHook(Hook):
         # this rank's.
         self._images += images_in_batch(data_batch) * get_world_size()
         self._last_iter = iteration
+        if self._uses_cuda:
+            # mmengine's log processor resets the peak statistics at every logging iteration: keep our own maximum,
+            # read after each iteration (allocator statistics, no device sync).
+            self._peak_allocated = max(self._peak_allocated, torch.cuda.max_memory_allocated())
+            self._peak_reserved = max(self._peak_reserved, torch.cuda.max_memory_reserved())
         if iteration in self._boundary_set:
             self._mark(iteration)
         if iteration == self.warmup_iters:
@@ -190,8 +197,8 @@ class IterationTimerHook(Hook):
             device="cuda" if self._uses_cuda else "cpu",
             device_name=torch.cuda.get_device_name() if self._uses_cuda else "cpu",
             cuda=torch.version.cuda if self._uses_cuda else None,
-            peak_allocated_mib=(torch.cuda.max_memory_allocated() / 2 ** 20) if self._uses_cuda else None,
-            peak_reserved_mib=(torch.cuda.max_memory_reserved() / 2 ** 20) if self._uses_cuda else None,
+            peak_allocated_mib=self._peak_allocated / 2 ** 20 if self._uses_cuda else None,
+            peak_reserved_mib=self._peak_reserved / 2 ** 20 if self._uses_cuda else None,
         )
 
     def output_path(self, runner) -> Path:
