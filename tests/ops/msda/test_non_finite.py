@@ -25,7 +25,9 @@ LEVELS = ((4, 8), (3, 5), (2, 4))
 BATCH, QUERIES, HEADS, HEAD_DIM, POINTS = 2, 5, 2, 3, 4
 POISON = (float("inf"), float("-inf"), float("nan"))
 
-NO_TRITON = triton_unavailable_reason(torch.device("cpu"))
+# The Triton backend runs on CUDA where there is a GPU, else under the interpreter (tests/conftest.py).
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+NO_TRITON = triton_unavailable_reason(DEVICE)
 BACKENDS = [
     pytest.param("pytorch", id="pytorch"),
     pytest.param("triton", id="triton", marks=pytest.mark.skipif(NO_TRITON is not None, reason=str(NO_TRITON))),
@@ -120,11 +122,16 @@ def make_case(kinds, seed=0):
 
 def run_plain(case, value, backend, dtype):
     weights = case["logits"].flatten(-2).softmax(-1).view_as(case["logits"])
-    inputs = [t.to(dtype).requires_grad_() for t in (value, case["locations"], weights)]
-    out = multi_scale_deformable_attn(inputs[0], case["spatial_shapes"], case["level_start_index"], inputs[1],
-                                      inputs[2], backend=backend)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
-    return out, torch.autograd.grad(out, inputs, grad_out)
+    inputs = [t.to(DEVICE, dtype).requires_grad_() for t in (value, case["locations"], weights)]
+    out = multi_scale_deformable_attn(inputs[0], case["spatial_shapes"].to(DEVICE),
+                                      case["level_start_index"].to(DEVICE), inputs[1], inputs[2], backend=backend)
+    return _with_grads(out, inputs, dtype)
+
+
+def _with_grads(out, inputs, dtype):
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    grads = torch.autograd.grad(out, inputs, grad_out.to(out.device, dtype))
+    return out.cpu(), [grad.cpu() for grad in grads]
 
 
 def run_fused(case, value, backend, dtype):
@@ -135,11 +142,10 @@ def run_fused(case, value, backend, dtype):
     offsets = (case["locations"] - reference[:, :, None, :, None, :]) * sizes
     # Non-finite locations come from non-finite offsets (inf - x stays inf, nan stays nan).
     offsets = torch.where(torch.isfinite(case["locations"]), offsets, case["locations"])
-    inputs = [t.to(dtype).requires_grad_() for t in (value, reference, offsets, case["logits"])]
-    out = fused_multi_scale_deformable_attn(inputs[0], case["spatial_shapes"], case["level_start_index"], *inputs[1:],
-                                           backend=backend)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
-    return out, torch.autograd.grad(out, inputs, grad_out)
+    inputs = [t.to(DEVICE, dtype).requires_grad_() for t in (value, reference, offsets, case["logits"])]
+    out = fused_multi_scale_deformable_attn(inputs[0], case["spatial_shapes"].to(DEVICE),
+                                           case["level_start_index"].to(DEVICE), *inputs[1:], backend=backend)
+    return _with_grads(out, inputs, dtype)
 
 
 ENTRIES = {"plain": run_plain, "fused": run_fused}
