@@ -6,6 +6,7 @@ import torch
 
 from deform_plugin.ops import multi_scale_deformable_attn, multi_scale_deformable_attn_reference
 from deform_plugin.ops.backend import default_backend, resolve_backend
+from deform_plugin.ops.triton_support import triton_unavailable_reason
 
 
 def level_tables(shapes):
@@ -224,3 +225,48 @@ def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
     with pytest.raises(RuntimeError, match="need a CUDA device"):
         resolve_backend("msda", "triton", torch.device("cpu"))
     assert resolve_backend("msda", "auto", torch.device("cpu")) == "pytorch"
+
+
+def _fused_inputs(levels=((3, 4), (2, 2)), batch=1, queries=3, heads=2, head_dim=8, points=2):
+    generator = torch.Generator().manual_seed(0)
+    shapes = torch.tensor(levels)
+    sizes = shapes.prod(1)
+    starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    value = torch.randn(batch, int(sizes.sum()), heads, head_dim, generator=generator)
+    reference = torch.rand(batch, queries, len(levels), 2, generator=generator)
+    offsets = torch.randn(batch, queries, heads, len(levels), points, 2, generator=generator)
+    logits = torch.randn(batch, queries, heads, len(levels), points, generator=generator)
+    return dict(value=value, spatial_shapes=shapes, level_start_index=starts, reference_points=reference,
+                sampling_offsets=offsets, attention_logits=logits)
+
+
+FUSED_BACKENDS = ["pytorch", pytest.param("triton", marks=pytest.mark.skipif(
+    triton_unavailable_reason(torch.device("cpu")) is not None and not torch.cuda.is_available(),
+    reason="the Triton backend needs CUDA or the interpreter"))]
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+@pytest.mark.parametrize("bad, error, message", [
+    ("levels", ValueError, r"spatial_shapes has 3 levels but sampling_offsets has 2"),
+    ("list_shapes", TypeError, r"spatial_shapes must be a torch.Tensor, got list"),
+    ("keys", ValueError, r"spatial_shapes \[\(3, 4\), \(2, 2\)\] cover 16 keys but value has 15"),
+    ("reference", ValueError, r"reference_points must be \(batch, num_queries, num_levels, 2 or 4\)"),
+    ("logits", ValueError, r"attention_logits has shape \(1, 3, 2, 2, 1\) but sampling_offsets implies"),
+], ids=["levels", "list-shapes", "keys", "reference", "logits"])
+def test_fused_entry_validates_first_with_the_same_message_on_every_backend(backend, bad, error, message):
+    from deform_plugin.ops import fused_multi_scale_deformable_attn
+    inputs = _fused_inputs()
+    if bad == "levels":
+        inputs["spatial_shapes"] = torch.tensor([(3, 4), (2, 2), (1, 1)])
+    elif bad == "list_shapes":
+        inputs["spatial_shapes"] = [(3, 4), (2, 2)]
+    elif bad == "keys":
+        inputs["value"] = inputs["value"][:, :-1]
+    elif bad == "reference":
+        inputs["reference_points"] = inputs["reference_points"][..., :1]
+    elif bad == "logits":
+        inputs["attention_logits"] = inputs["attention_logits"][..., :1]
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    inputs = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    with pytest.raises(error, match=message):
+        fused_multi_scale_deformable_attn(**inputs, backend=backend)
