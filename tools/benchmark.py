@@ -15,7 +15,8 @@ A *row* is ``BACKEND:MODE[:FAST]``, timed on every config given:
 The first row is the baseline of the speedup columns. Examples::
 
     # stock fp32 vs ours fp32 / bf16 with every fast path, three detectors, JSON/CSV/PNG in bench_results/
-    python tools/benchmark.py configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py \\
+    python tools/benchmark.py \\
+        configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py \\
         configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py \\
         --rows stock:fp32 triton:fp32:all triton:bf16:all --out-dir bench_results/h100
 

@@ -14,12 +14,9 @@ Stock rows need mmcv with its compiled ops on a GPU. The table (steady-state img
 run, whole-run and first-20 img/s, our kernel compile count, peak memory, speedup) is printed and written with
 JSON, CSV and the rows' logs and overlay configs into ``--out-dir``. See ``benchmarks/detector/user_path.py``.
 """
-import os
 import sys
 
-# A checkout's tools run that checkout's code, installed or not (as tools/train.py does).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.detector.user_path import main  # noqa: E402
+from benchmarks.detector.user_path import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -22,14 +22,12 @@ import sys
 import time
 from typing import Optional, Sequence
 
-# A checkout's tools run that checkout's plugin, installed or not.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import deform_plugin  # noqa: E402,F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
-from mmengine.config import DictAction  # noqa: E402
+import deform_plugin  # noqa: F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
+from mmengine.config import DictAction
 
-from deform_plugin.integration.mmdet_detr_onnx import (DEFAULT_OPSET, DETRExportModel, ExportError,  # noqa: E402
-                                                       build_detector, check_exportable, check_input_size,
-                                                       check_opset, export_detector, verify_onnx)
+from deform_plugin.integration.mmdet_detr_onnx import (DEFAULT_OPSET, DETRExportModel, ExportError, build_detector,
+                                                       check_exportable, check_input_size, check_opset,
+                                                       export_detector, verify_onnx)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

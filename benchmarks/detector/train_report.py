@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import datetime
 import json
-import os
 import platform
 from importlib import metadata
 from pathlib import Path

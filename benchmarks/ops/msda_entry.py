@@ -20,7 +20,7 @@ import argparse
 import math
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -80,8 +80,9 @@ def entries(case: Case, dtype: torch.dtype, dist: str, device="cuda") -> List[En
     query = _leaf(torch.randn(case.batch, case.num_queries, embed_dims, generator=generator, device=device).to(dtype))
     memory = _leaf(torch.randn(case.batch, case.num_keys, embed_dims, generator=generator, device=device).to(dtype))
     ref_points = ref[..., :2].to(dtype)
-    module_call = (lambda m: lambda: m(query, value=memory, reference_points=ref_points, spatial_shapes=shapes,
-                                       level_start_index=starts))
+    def module_call(module):
+        return lambda: module(query, value=memory, reference_points=ref_points, spatial_shapes=shapes,
+                              level_start_index=starts)
     result.append(Entry("module", module_call(ours), [query, memory, *ours.parameters()]))
     if compiled_mmcv_ops_available() and dtype != torch.bfloat16:
         im2col_step = math.gcd(case.batch, 64)

@@ -57,6 +57,6 @@ def test_fast_config_selects_everything():
     cfg = Config.fromfile(os.path.join(root, "configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"),
                           import_custom_modules=False)
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsOptimWrapperConstructor"
-    assert fast_path_switches_from_config(cfg) == dict(sdpa_attention=True, batched_matching=True, sync_free_losses=True,
-                                                       sync_free_forward=True)
+    assert fast_path_switches_from_config(cfg) == dict(sdpa_attention=True, batched_matching=True,
+                                                       sync_free_losses=True, sync_free_forward=True)
     assert cfg.optim_wrapper.paramwise_cfg == dict(custom_keys={"backbone": dict(lr_mult=0.1)})

@@ -75,7 +75,8 @@ def test_stock_checkpoint_loads_and_gives_same_outputs(tmp_path):
 
 
 def test_process_without_plugin_is_unchanged():
-    code = ("import sys; sys.path.insert(0, 'tests/integration'); import stock_worker; stock_worker.install_bare_ext(); "
+    code = ("import sys; sys.path.insert(0, 'tests/integration'); import stock_worker; "
+            "stock_worker.install_bare_ext(); "
             "import mmdet.models.layers.transformer.deformable_detr_layers as layers; "
             "from mmcv.ops import MultiScaleDeformableAttention as M; from mmengine.registry import MODELS; "
             "assert layers.MultiScaleDeformableAttention is M; "

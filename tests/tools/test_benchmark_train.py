@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 import pytest
 
-from benchmarks.detector import coco_source, user_path
+from benchmarks.detector import coco_source, train_overlay, user_path
 from benchmarks.detector.iteration_timer import IterationTimerHook
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -144,7 +144,7 @@ def test_our_overlay_keeps_the_plugin_pieces(tmp_path, source):
     assert [hook.type for hook in cfg.custom_hooks] == ["FastPathsHook", user_path.TIMER_HOOK]
     assert cfg.custom_hooks[0] == base.custom_hooks[0] and cfg.custom_hooks[1].expect_plugin is True
     assert cfg.optim_wrapper == base.optim_wrapper
-    assert cfg.optim_wrapper.constructor == user_path.MERGED_CONSTRUCTOR
+    assert cfg.optim_wrapper.constructor == train_overlay.MERGED_CONSTRUCTOR
     assert cfg.train_dataloader.dataset.pipeline == base.train_dataloader.dataset.pipeline
     assert cfg.train_dataloader.dataset.data_prefix.seg == base.train_dataloader.dataset.data_prefix.seg
     assert cfg.train_cfg.type == "IterBasedTrainLoop" and "dynamic_intervals" not in cfg.train_cfg
@@ -155,7 +155,7 @@ def test_pretrained_init_cfgs_are_dropped_wherever_they_are():
     kaiming = dict(type="Kaiming", layer="Conv2d")
     model = dict(type="M", init_cfg=[kaiming, pretrained], backbone=dict(depth=50, init_cfg=pretrained),
                  heads=[dict(type="H", init_cfg=pretrained), dict(type="H")], neck=dict(init_cfg=kaiming))
-    assert user_path.pretrained_overrides(model) == dict(
+    assert train_overlay.pretrained_overrides(model) == dict(
         init_cfg=[kaiming], backbone=dict(init_cfg=None), heads=[dict(type="H", init_cfg=None), dict(type="H")])
 
 

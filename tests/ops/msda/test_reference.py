@@ -190,7 +190,8 @@ def test_public_op_uses_reference_on_cpu_by_default():
 
 BAD_CALLS = {
     "value-length": (lambda v, s, i, l, w: (v[:, :-1], s, i, l, w), r"cover 53 keys but value has 52"),
-    "levels": (lambda v, s, i, l, w: (v, s[:2], i[:2], l, w), r"spatial_shapes has 2 levels but sampling_locations has 3"),
+    "levels": (lambda v, s, i, l, w: (v, s[:2], i[:2], l, w),
+               r"spatial_shapes has 2 levels but sampling_locations has 3"),
     "heads": (lambda v, s, i, l, w: (v[:, :, :2], s, i, l, w), r"sampling_locations has 3 heads but value has 2"),
     "points": (lambda v, s, i, l, w: (v, s, i, l, w[..., :1]), r"attention_weights has shape .* implies"),
     "last-dim": (lambda v, s, i, l, w: (v, s, i, l[..., :1], w), r"last dim 1"),

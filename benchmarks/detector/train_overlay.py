@@ -1,0 +1,229 @@
+"""The rows of the training benchmark and the overlay config each row trains on.
+
+The overlay inherits the user's config (``_base_`` = its absolute path) and changes only what a benchmark must (see
+:mod:`benchmarks.detector.user_path`); for stock rows it also replaces every deform_plugin piece by the mmengine or
+mmdet original (:mod:`benchmarks.detector.configs` knows which pieces those are).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import pprint
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from .coco_source import CocoSource
+from .configs import FAST_PATHS_HOOK, MERGED_CONSTRUCTOR, PLUGIN_PACKAGE, PLUGIN_TYPE_BASES
+from .iteration_timer import validate_windows
+
+TIMER_MODULE = "benchmarks.detector.iteration_timer"
+TIMER_HOOK = "IterationTimerHook"
+SUPPORTED_DATASET = "CocoDataset"
+NEVER = 10 ** 9  # an interval no benchmark reaches
+SIDES = ("stock", "ours")
+MODES = ("fp32", "fp16", "bf16")
+
+
+class UnsupportedConfig(ValueError):
+    """The config cannot train on the synthetic COCO source."""
+
+
+@dataclass(frozen=True)
+class Row:
+    side: str
+    mode: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.side}:{self.mode}"
+
+    @property
+    def stock(self) -> bool:
+        return self.side == "stock"
+
+
+def parse_row(text: str) -> Row:
+    side, _, mode = text.partition(":")
+    problems = []
+    if side not in SIDES:
+        problems.append(f"side {side!r} is not one of {', '.join(SIDES)}")
+    if mode not in MODES:
+        problems.append(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    if problems:
+        raise argparse.ArgumentTypeError(f"row {text!r} is not SIDE:MODE: " + "; ".join(problems))
+    return Row(side, mode)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every row of a run shares."""
+
+    iters: int = 100
+    batch_size: int = 2
+    workers: int = 4
+    first_iters: int = 20
+    steady_start: Optional[int] = None  # None: the second half, iters // 2 + 1
+    logger_interval: int = 50
+    timeout_s: float = 3600.0
+    gpus: int = 1  # >1: each row runs under torch.distributed.run, one process per GPU (DDP)
+
+    def windows(self) -> Dict[str, Tuple[int, int]]:
+        """The timed windows by name: ``first`` (warm-up included), ``all`` and ``steady``."""
+        steady_start = self.steady_start if self.steady_start is not None else self.iters // 2 + 1
+        windows = {"first": (1, min(self.first_iters, self.iters)), "all": (1, self.iters),
+                   "steady": (steady_start, self.iters)}
+        validate_windows(list(windows.values()))
+        return windows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The overlay config
+# ---------------------------------------------------------------------------------------------------------------------
+
+def read_base_config(path: Path):
+    """The user's config as mmengine merges it, without importing its custom modules."""
+    from mmengine.config import Config
+    return Config.fromfile(str(path), import_custom_modules=False)
+
+
+def check_supported(base_cfg, path: Path) -> None:
+    """Raise :class:`UnsupportedConfig` unless the config trains a plain ``CocoDataset``."""
+    loader = base_cfg.get("train_dataloader")
+    if not loader or "dataset" not in loader:
+        raise UnsupportedConfig(f"{path} has no train_dataloader.dataset to time")
+    dataset_type = str(loader["dataset"].get("type"))
+    if "Panoptic" in dataset_type:
+        raise UnsupportedConfig(
+            f"{path} trains {dataset_type}: panoptic training needs panoptic PNG annotations, which the synthetic "
+            "COCO source does not generate. Time the instance-segmentation config instead "
+            "(configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py).")
+    if dataset_type.rpartition(".")[2] != SUPPORTED_DATASET:
+        raise UnsupportedConfig(
+            f"{path} trains {dataset_type}: the synthetic COCO source serves configs whose train dataset is mmdet's "
+            f"{SUPPORTED_DATASET} (detection or instance segmentation), not dataset wrappers or other formats")
+
+
+def is_pretrained(init_cfg) -> bool:
+    return isinstance(init_cfg, dict) and init_cfg.get("type") == "Pretrained"
+
+
+def without_pretrained(node):
+    """A copy of ``node`` with every ``init_cfg`` of type ``Pretrained`` removed (a list loses those entries)."""
+    if isinstance(node, dict):
+        copied = {}
+        for key, value in node.items():
+            if key == "init_cfg" and is_pretrained(value):
+                copied[key] = None
+            elif key == "init_cfg" and isinstance(value, (list, tuple)):
+                kept = [without_pretrained(v) for v in value if not is_pretrained(v)]
+                copied[key] = kept or None
+            else:
+                copied[key] = without_pretrained(value)
+        return copied
+    if isinstance(node, (list, tuple)):
+        return type(node)(without_pretrained(v) for v in node)
+    return node
+
+
+def pretrained_overrides(node: dict) -> dict:
+    """The smallest override that mmengine merges into ``node`` to drop its pretrained ``init_cfg`` entries.
+
+    Dicts merge key by key and lists are replaced whole, so a changed list is written out in full.
+    """
+    stripped = without_pretrained(node)
+    overrides = {}
+    for key, value in node.items():
+        if stripped[key] == value:
+            continue
+        recurse = isinstance(value, dict) and key != "init_cfg"
+        overrides[key] = pretrained_overrides(value) if recurse else stripped[key]
+    return overrides
+
+
+def plugin_references(node, path: str = "") -> List[str]:
+    """Where a config still names deform_plugin: its modules, its hook or its optimizer constructor (paths that merely
+    contain the name, such as a cache folder, do not count)."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            found.extend(plugin_references(value, f"{path}.{key}" if path else str(key)))
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            found.extend(plugin_references(value, f"{path}[{index}]"))
+    elif isinstance(node, str) and (node.split(".")[0] == PLUGIN_PACKAGE or node in (FAST_PATHS_HOOK,
+                                                                                     MERGED_CONSTRUCTOR)
+                                    or node in PLUGIN_TYPE_BASES):
+        found.append(f"{path}={node!r}")
+    return found
+
+
+def timer_hook(row: Row, settings: Settings, timing_file: Path) -> dict:
+    return dict(type=TIMER_HOOK, windows=[list(w) for w in settings.windows().values()],
+                warmup_iters=settings.windows()["first"][1], out_file=str(timing_file),
+                expect_plugin=not row.stock, label=row.label)
+
+
+def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings, timing_file: Path) -> dict:
+    """The top-level keys the overlay config sets on top of ``base_cfg`` (the user's config) for ``row``."""
+    base = base_cfg.to_dict()
+
+    def replacing(key_exists: bool, value: dict) -> dict:
+        # `_delete_` replaces the base dict instead of merging; mmengine only removes the flag when the key exists.
+        return dict(_delete_=True, **value) if key_exists else value
+
+    loader = base["train_dataloader"]
+    overlay: Dict[str, object] = {}
+    overlay["train_dataloader"] = dict(
+        batch_size=settings.batch_size,
+        num_workers=settings.workers,
+        persistent_workers=settings.workers > 0,
+        sampler=replacing("sampler" in loader, dict(type="InfiniteSampler", shuffle=True)),
+        dataset=dict(data_root=source.data_root, ann_file=source.ann_file, data_prefix=dict(img=source.image_dir)))
+    overlay["train_cfg"] = replacing("train_cfg" in base,
+                                     dict(type="IterBasedTrainLoop", max_iters=settings.iters, val_interval=NEVER))
+    for stage in ("val", "test"):
+        for part in ("dataloader", "evaluator", "cfg"):
+            overlay[f"{stage}_{part}"] = None
+    default_hooks = base.get("default_hooks") or {}
+    overlay["default_hooks"] = dict(
+        logger=dict(interval=settings.logger_interval),
+        checkpoint=replacing("checkpoint" in default_hooks,
+                             dict(type="CheckpointHook", by_epoch=False, interval=NEVER, save_last=False)))
+    overlay["log_processor"] = dict(by_epoch=False)
+    overlay["randomness"] = dict(seed=0)
+    overlay["load_from"] = None
+    overlay["resume"] = False
+    model_overrides = pretrained_overrides(base.get("model") or {})
+    if model_overrides:
+        overlay["model"] = model_overrides
+
+    custom_imports = base.get("custom_imports") or {}
+    imports = custom_imports.get("imports", [])
+    imports = [imports] if isinstance(imports, str) else list(imports)
+    hooks = copy.deepcopy(list(base.get("custom_hooks") or []))
+    if row.stock:
+        imports = [name for name in imports if name.split(".")[0] != PLUGIN_PACKAGE]
+        hooks = [hook for hook in hooks if hook.get("type") != FAST_PATHS_HOOK]
+        optim_wrapper = base.get("optim_wrapper") or {}
+        if (optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR
+                or optim_wrapper.get("type") in PLUGIN_TYPE_BASES):
+            stripped = {k: v for k, v in optim_wrapper.items() if k != "constructor"}
+            stripped["type"] = PLUGIN_TYPE_BASES.get(stripped.get("type"), stripped.get("type", "OptimWrapper"))
+            overlay["optim_wrapper"] = dict(_delete_=True, **stripped)
+        runtime_info = default_hooks.get("runtime_info") or {}
+        if runtime_info.get("type") in PLUGIN_TYPE_BASES:
+            overlay["default_hooks"]["runtime_info"] = dict(
+                _delete_=True, **dict(runtime_info, type=PLUGIN_TYPE_BASES[runtime_info["type"]]))
+    overlay["custom_imports"] = dict(imports=imports + [TIMER_MODULE], allow_failed_imports=False)
+    overlay["custom_hooks"] = hooks + [timer_hook(row, settings, timing_file)]
+    return overlay
+
+
+def render_overlay(base_path: Path, overlay: dict, row: Row) -> str:
+    lines = [f"# Benchmark overlay ({row.label}) written by benchmarks/detector/user_path.py: the config below, "
+             "timed on the synthetic COCO source.",
+             f"_base_ = {str(base_path)!r}", ""]
+    for key, value in overlay.items():
+        lines.append(f"{key} = {pprint.pformat(value, width=110, sort_dicts=False)}")
+    return "\n".join(lines) + "\n"
