@@ -59,6 +59,10 @@ class Case:
     def samples(self) -> int:
         return self.batch * self.num_queries * self.heads * len(self.levels) * self.points
 
+    def describe(self) -> str:
+        return (f"B={self.batch} Q={self.num_queries} S={self.num_keys} L={len(self.levels)} H={self.heads} "
+                f"D={self.head_dim} P={self.points}")
+
 
 CASES = {
     "encoder_b2": Case("encoder_b2", ENCODER_LEVELS, 2, None),

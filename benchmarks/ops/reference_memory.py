@@ -33,13 +33,13 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 import torch
 
 from benchmarks.common import repo_commit
+from benchmarks.ops.msda import Case
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
@@ -48,35 +48,11 @@ IMPLEMENTATIONS = ("mmcv", "ours")
 DETR_LEVELS = ((32, 42), (16, 21), (8, 11), (4, 6))
 
 
-@dataclass(frozen=True)
-class Case:
-    """One call's sizes; ``queries=None`` means one query per key (encoder self-attention)."""
-
-    levels: Tuple[Tuple[int, int], ...]
-    batch: int
-    queries: Optional[int] = None
-    heads: int = 8
-    head_dim: int = 32
-    points: int = 4
-
-    @property
-    def num_keys(self) -> int:
-        return sum(h * w for h, w in self.levels)
-
-    @property
-    def num_queries(self) -> int:
-        return self.num_keys if self.queries is None else self.queries
-
-    def describe(self) -> str:
-        return (f"B={self.batch} Q={self.num_queries} S={self.num_keys} L={len(self.levels)} H={self.heads} "
-                f"D={self.head_dim} P={self.points}")
-
-
 CASES: Dict[str, Case] = {
-    "encoder": Case(DETR_LEVELS, batch=2),
-    "decoder_q300": Case(DETR_LEVELS, batch=2, queries=300),
-    "single_level": Case(((48, 64),), batch=2),
-    "encoder_2x": Case(((64, 84), (32, 42), (16, 21), (8, 11)), batch=1),
+    "encoder": Case("encoder", DETR_LEVELS, 2, None),
+    "decoder_q300": Case("decoder_q300", DETR_LEVELS, 2, 300),
+    "single_level": Case("single_level", ((48, 64),), 2, None),
+    "encoder_2x": Case("encoder_2x", ((64, 84), (32, 42), (16, 21), (8, 11)), 1, None),
 }
 
 
@@ -135,7 +111,7 @@ def measure_peak(case_name: str, dtype_name: str, impl: str) -> dict:
     """Peak extra resident memory of one forward+backward, in this (fresh) process."""
     case, dtype = CASES[case_name], DTYPES[dtype_name]
     fn = implementation(impl)
-    tiny = make_inputs(Case(((3, 4), (2, 2)), batch=1, queries=5, heads=2, head_dim=4, points=2), dtype)
+    tiny = make_inputs(Case("tiny", ((3, 4), (2, 2)), 1, 5, heads=2, head_dim=4, points=2), dtype)
     forward_backward(fn, tiny, torch.ones(1, 5, 8, dtype=dtype))
     inputs = make_inputs(case, dtype)
     grad_output = torch.randn(case.batch, case.num_queries, case.heads * case.head_dim, dtype=dtype)
@@ -174,7 +150,7 @@ def measure_times(case: Case, dtype: torch.dtype, repeats: int) -> Dict[str, dic
 
 def check_agreement() -> float:
     """Largest relative difference, ours against mmcv, of output and gradients on a float64 case."""
-    case = Case(DETR_LEVELS[1:], batch=2, queries=50)
+    case = Case("decoder_q50", DETR_LEVELS[1:], 2, 50)
     inputs = make_inputs(case, torch.float64)
     grad_output = torch.randn(case.batch, case.num_queries, case.heads * case.head_dim, dtype=torch.float64)
     results = []
