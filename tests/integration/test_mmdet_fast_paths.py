@@ -21,7 +21,10 @@ from deform_plugin.integration.mmdet_fast_paths import (apply_fast_paths, disabl
 
 def _attention_pair(batch_first, attn_drop=0.0):
     torch.manual_seed(0)
-    stock = MultiheadAttention(embed_dims=32, num_heads=4, attn_drop=attn_drop, batch_first=batch_first).double()
+    # No dropout layer after the attention: mmcv builds its 'Dropout' through the registry of the current default
+    # scope, and under mmdet's scope (set by any earlier test that builds an mmdet model) it gets p=0.1.
+    stock = MultiheadAttention(embed_dims=32, num_heads=4, attn_drop=attn_drop, batch_first=batch_first,
+                               dropout_layer=None).double()
     fast = copy.deepcopy(stock)
     assert enable_sdpa_attention(fast) == 1
     assert type(fast) is sdpa_multihead_attention_class()

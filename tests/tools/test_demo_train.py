@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,10 @@ def test_checkpoint_saved_and_needs_the_allow_list(trained):
     assert "mmengine.logging.history_buffer.HistoryBuffer" in unsafe
 
 
-def test_resume_continues_from_the_checkpoint(trained, cache_root):
-    _, work_dir = trained
+def test_resume_continues_from_the_checkpoint(trained, cache_root, tmp_path):
+    # A copy of the shared run: resuming writes new checkpoints, which the other tests must not see.
+    work_dir = tmp_path / "resumed"
+    shutil.copytree(trained[1], work_dir)
     train = _load_tool("train")
     runner = train.main([str(DEMO_CONFIG), "--work-dir", str(work_dir), "--resume",
                          *_train_options(cache_root, RESUMED_ITERS)])
