@@ -9,6 +9,7 @@
 #   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours, and the
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
 #   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and a step profile.
+#   profile   the step profile alone (stock fp32, ours bf16 without and with the config's fast paths).
 # It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
 # to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
@@ -77,30 +78,36 @@ tests)
   wait $tests_pid
   ;;
 train)
+  # TRAIN_CONFIGS picks the configs (default all three) and INFERENCE=0 skips the batch-1 inference rows, so that
+  # one GPU can run the phase in pieces of under 10 minutes.
   wait_for_mmcv
   rows="stock:fp32 ours:fp32 ours:bf16"
-  run_train() {  # GPU CONFIG NAME
-    on_gpu "$1" with_full timeout $(left) python3 tools/benchmark_train.py "$2" --rows $rows --iters 100 \
-        --batch-size 2 --workers 4 --out-dir "$results/train_$3" > "$results/train_$3.log" 2>&1
-    tail -12 "$results/train_$3.log"
+  declare -A config_of=(
+    [ddetr]=configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py
+    [dino]=configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py
+    [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py)
+  run_train() {  # GPU NAME
+    on_gpu "$1" with_full timeout $(left) python3 tools/benchmark_train.py "${config_of[$2]}" --rows $rows \
+        --iters 100 --batch-size 2 --workers 4 --out-dir "$results/train_$2" > "$results/train_$2.log" 2>&1
+    tail -12 "$results/train_$2.log"
   }
-  run_train 0 configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py ddetr &
-  first=$!
-  if [ "$second_gpu" = 1 ]; then
-    run_train 1 configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py dino
+  names=(${TRAIN_CONFIGS:-ddetr dino mask2former})
+  if [ "$second_gpu" = 1 ]; then  # one config per GPU at a time
+    for ((i = 0; i < ${#names[@]}; i += 2)); do
+      run_train 0 "${names[i]}" &
+      [ -n "${names[i+1]:-}" ] && run_train 1 "${names[i+1]}"
+      wait
+    done
+  else
+    for name in "${names[@]}"; do run_train 0 "$name"; done
   fi
-  wait $first
-  run_train 0 configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py mask2former &
-  first=$!
-  [ "$second_gpu" = 1 ] || run_train 0 configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py dino
-  on_gpu $second_gpu with_full timeout $(left) python3 tools/benchmark.py \
-      configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
-      configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py \
-      configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py \
-      --rows stock:fp32 triton:fp32:all triton:bf16:all --steps 0 --inference-warmup 5 --inference-steps 20 \
-      --no-progress --out-dir "$results" --name inference > "$results/inference.log" 2>&1
-  tail -30 "$results/inference.log"
-  wait $first
+  if [ "${INFERENCE:-1}" = 1 ]; then
+    on_gpu $second_gpu with_full timeout $(left) python3 tools/benchmark.py "${config_of[ddetr]}" \
+        "${config_of[dino]}" "${config_of[mask2former]}" \
+        --rows stock:fp32 triton:fp32:all triton:bf16:all --steps 0 --inference-warmup 5 --inference-steps 20 \
+        --no-progress --out-dir "$results" --name inference > "$results/inference.log" 2>&1
+    tail -30 "$results/inference.log"
+  fi
   ;;
 scale)
   wait_for_mmcv
@@ -121,6 +128,14 @@ scale)
       --work-dir "$results/demo_bf16_fast" > "$results/demo_bf16_fast.log" 2>&1
   wait
   grep -h "bbox_mAP" "$results"/demo_*.log | tail -4
+  on_gpu 0 with_full timeout $(left) python3 tools/profile_step.py \
+      configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
+      --rows stock:fp32 triton:bf16:none triton:bf16:config --profile-steps 3 --no-progress \
+      --out-dir "$results" --name profile > "$results/profile.log" 2>&1
+  tail -20 "$results/profile.log"
+  ;;
+profile)
+  wait_for_mmcv
   on_gpu 0 with_full timeout $(left) python3 tools/profile_step.py \
       configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
       --rows stock:fp32 triton:bf16:none triton:bf16:config --profile-steps 3 --no-progress \

@@ -23,8 +23,8 @@ PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWr
                      "DeferredRuntimeInfoHook": "RuntimeInfoHook"}
 # The FastPathsHook switches (and the graph inference) that each FAST choice of a row turns on.
 FAST_PATH_SWITCHES = {"optim": (), "sdpa": ("sdpa_attention",), "matching": ("batched_matching",),
-                      "losses": ("sync_free_losses",), "forward": ("sync_free_forward",),
-                      "graph": ("graph_inference",)}
+                      "losses": ("sync_free_losses",), "batched": ("batched_losses",),
+                      "forward": ("sync_free_forward",), "graph": ("graph_inference",)}
 # mmdet's usual COCO test scale, used when a config's pipelines fix no size.
 FALLBACK_SHAPE = (800, 1333)
 

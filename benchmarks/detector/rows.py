@@ -17,7 +17,7 @@ from typing import List, Optional
 
 BACKEND_CHOICES = ("stock", "mmcv", "pytorch", "triton", "auto")
 MODE_CHOICES = ("fp32", "fp16", "bf16")
-FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "forward", "graph")
+FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "batched", "forward", "graph")
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@
 #   - SyncFreeOptimWrapper + DeferredRuntimeInfoHook: losses and the gradient norm reach the logger once per logging
 #     interval, in one device-to-host copy (with --amp-dtype bfloat16, tools/train.py also drops the loss scaler);
 #   - FastPathsHook: decoder self-attention through PyTorch SDPA; every decoder layer's Hungarian matching in one
-#     pass with one copy to the host; the per-layer loss normalisers and the forward without host syncs.
+#     pass with one copy to the host; every decoder layer's losses (and the encoder's) in one batched pass; the
+#     loss normalisers and the forward without host syncs.
 # Losses and gradients match the plain config to float rounding (docs/whole_detector.md explains why).
 # Optimizer state dicts differ in layout from stock runs: resume a run with the constructor it was started with.
 _base_ = '../deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py'
@@ -13,4 +14,4 @@ custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], allow_f
 optim_wrapper = dict(type='SyncFreeOptimWrapper', constructor='MergedParamGroupsOptimWrapperConstructor')
 default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
-                     sync_free_forward=True)]
+                     batched_losses=True, sync_free_forward=True)]

@@ -32,15 +32,18 @@ class FastPathsHook(Hook):
         sync_free_losses (bool): the DETR heads' per-layer loss normalisers without host syncs.
         sync_free_forward (bool): Deformable-DETR's and DINO's forward without host syncs (level tables made on the
             host, the host's sizes walked instead of the device's).
+        batched_losses (bool): every decoder layer's DETR loss (focal, L1, GIoU) of a step in one pass over all
+            layers, from the assignments solved ahead (turns ``batched_matching`` on too).
     """
 
     priority = "VERY_HIGH"
 
     def __init__(self, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
-                 batched_matching: bool = False, sync_free_losses: bool = False, sync_free_forward: bool = False):
+                 batched_matching: bool = False, sync_free_losses: bool = False, sync_free_forward: bool = False,
+                 batched_losses: bool = False):
         self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs),
                              batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses),
-                             sync_free_forward=bool(sync_free_forward))
+                             sync_free_forward=bool(sync_free_forward), batched_losses=bool(batched_losses))
 
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths

@@ -280,3 +280,57 @@ def test_sync_free_forward_gives_the_stock_outputs_bitwise_and_reads_no_table(co
     for ours, theirs, again in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected),
                                    torch.utils._pytree.tree_leaves(got_again)):
         assert torch.equal(ours, theirs) and torch.equal(again, theirs)
+
+
+# ---- batched losses -----------------------------------------------------------------------------------------------
+
+def _losses_and_gradients(head, inputs):
+    inputs = dict(inputs)
+    leaves = {}
+    for name in ("all_layers_cls_scores", "all_layers_bbox_preds", "enc_cls_scores", "enc_bbox_preds"):
+        leaves[name] = inputs[name] = inputs[name].detach().clone().requires_grad_()
+    losses = head.loss_by_feat(**inputs)
+    sum(value.sum() for value in losses.values()).backward()
+    return losses, {name: leaf.grad for name, leaf in leaves.items()}
+
+
+@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("num_gts", [(3, 5), (0, 4), (0, 0)], ids=["gts3-5", "gts0-4", "gts0-0"])
+def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monkeypatch):
+    from deform_plugin.integration.mmdet_fast_paths import batched_losses
+    stock_head = _detr_head(kind)
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.bbox_head = fast_head
+    changed = apply_fast_paths(holder, sync_free_losses=True, batched_losses=True)
+    assert changed["batched_losses"] == 1 and changed["batched_matching"] == 1
+    passes = []
+    original = batched_losses.layer_losses
+    monkeypatch.setattr(batched_losses, "layer_losses", lambda *a, **k: passes.append(a[1].shape[0]) or original(
+        *a, **k))
+    per_layer_targets = []
+    targets_single = fast_head._get_targets_single
+    fast_head._get_targets_single = lambda *a, **k: per_layer_targets.append(1) or targets_single(*a, **k)
+    inputs = _loss_inputs(kind, num_gts)
+    stock, stock_grads = _losses_and_gradients(stock_head, inputs)
+    fast, fast_grads = _losses_and_gradients(fast_head, inputs)
+    assert list(fast) == list(stock)
+    for name in stock:
+        assert fast[name].shape == stock[name].shape, name
+        # float32: the same elements, summed per layer over a (layers, ...) view instead of one layer at a time.
+        torch.testing.assert_close(fast[name], stock[name], rtol=1e-6, atol=1e-7, msg=name)
+    for name in stock_grads:
+        torch.testing.assert_close(fast_grads[name], stock_grads[name], rtol=1e-6, atol=1e-8, msg=name)
+    # The decoder layers in one pass, the encoder's proposals in another (Deformable-DETR's against class-0 gts).
+    assert passes == [3, 1]
+    assert per_layer_targets == []  # no layer fell back to the per-layer path
+    assert fast_head.losses_ahead == {}  # nothing outlives the step
+
+
+def test_batched_losses_leave_heads_with_other_losses_alone():
+    from mmdet.registry import MODELS
+    head = _detr_head("dino")
+    head.loss_iou = MODELS.build(dict(type="IoULoss", loss_weight=2.0))
+    holder = nn.Module()
+    holder.bbox_head = head
+    assert apply_fast_paths(holder, batched_losses=True)["batched_losses"] == 0

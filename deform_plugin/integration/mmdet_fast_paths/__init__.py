@@ -9,6 +9,8 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
 - ``hungarian_host_syncs`` and ``batched_matching`` (:mod:`.matching`): matching with fewer syncs, and all of a
   step's matching in one pass;
 - ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
+- ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass (needs the matching solved
+  ahead: turns ``batched_matching`` on too);
 - ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs.
 
 All but the first replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.
@@ -19,6 +21,7 @@ from typing import Dict
 
 from torch import nn
 
+from .batched_losses import enable_batched_losses
 from .loss_normalisation import enable_sync_free_losses
 from .matching import enable_batched_matching, enable_hungarian_host_syncs
 from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
@@ -26,7 +29,8 @@ from .sync_free_forward import enable_sync_free_forward
 
 # The mmdet release whose private DETRHead methods the copies in this package mirror line for line.
 MIRRORED_MMDET_VERSION = "3.3.0"
-FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses", "sync_free_forward")
+FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses", "sync_free_forward",
+              "batched_losses")
 
 __all__ = ["FAST_PATHS", "apply_fast_paths", "check_mirrored_mmdet_version", "disable_sdpa_attention",
            "enable_sdpa_attention", "sdpa_multihead_attention_class"]
@@ -44,11 +48,13 @@ def check_mirrored_mmdet_version(switch: str) -> None:
 
 def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
                      batched_matching: bool = False, sync_free_losses: bool = False,
-                     sync_free_forward: bool = False) -> Dict[str, int]:
+                     sync_free_forward: bool = False, batched_losses: bool = False) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
-    ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too.
+    ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too; ``batched_losses`` builds on
+    ``batched_matching``.
     """
+    batched_matching = batched_matching or batched_losses
     model = getattr(model, "module", model)
     changed = {}
     if sdpa_attention:
@@ -64,4 +70,9 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
     if sync_free_forward:
         check_mirrored_mmdet_version("sync_free_forward")
         changed["sync_free_forward"] = enable_sync_free_forward(model)
+    if batched_losses:
+        # Last: a head's per-layer loss method (stock or sync-free) stays the fallback for unforeseen calls.
+        check_mirrored_mmdet_version("batched_losses")
+        changed["batched_losses"] = sum(enable_batched_losses(head) for head in model.modules()
+                                        if "loss_by_feat" in vars(head) and hasattr(head, "assigner"))
     return changed

@@ -37,13 +37,15 @@ def detr_loss_by_feat_single_sync_free(self, cls_scores, bbox_preds, batch_gt_in
 
     cls_scores = cls_scores.reshape(-1, self.cls_out_channels)
     cls_avg_factor = num_total_pos * 1.0 + num_total_neg * self.bg_cls_weight
+    # The stock normaliser is a 1-element tensor under sync_cls_avg_factor, unless max(·, 1) picks the Python 1;
+    # the loss takes its shape.
+    keeps_dim = self.sync_cls_avg_factor and (_distributed() or cls_avg_factor >= 1)
     if self.sync_cls_avg_factor and _distributed():
         cls_avg_factor = reduce_mean(cls_scores.new_tensor([cls_avg_factor])).clamp(min=1)
     else:
         cls_avg_factor = max(cls_avg_factor, 1)
     loss_cls = self.loss_cls(cls_scores, labels, label_weights, avg_factor=cls_avg_factor)
-    if self.sync_cls_avg_factor and loss_cls.dim() == 0:
-        # The stock normaliser is a 1-element tensor, which makes the stock loss a 1-element tensor too.
+    if keeps_dim and loss_cls.dim() == 0:
         loss_cls = loss_cls.reshape(1)
 
     if _distributed():

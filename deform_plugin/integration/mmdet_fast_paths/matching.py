@@ -224,11 +224,17 @@ def _loss_by_feat_solving_ahead(head):
             sets.append((scores, bboxes))
         head.assigner.solved_ahead = solve_ahead(head.assigner, sets, arguments["batch_gt_instances"],
                                                  arguments["batch_img_metas"])
+        # A later fast path (batched_losses) may use the solved assignments before the per-layer losses run.
+        prepare_layer_losses = getattr(head, "prepare_layer_losses", None)
         try:
+            if prepare_layer_losses is not None:
+                prepare_layer_losses(sets, arguments, head.assigner.solved_ahead)
             return loss_by_feat(*args, **kwargs)
         finally:
             # Storage addresses are reused by later steps: a solution must never outlive its step.
             head.assigner.solved_ahead = {}
+            if prepare_layer_losses is not None:
+                head.losses_ahead = {}
 
     return loss_by_feat_solving_ahead
 

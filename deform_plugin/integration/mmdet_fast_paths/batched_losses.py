@@ -1,0 +1,234 @@
+"""The ``batched_losses`` fast path: every decoder layer's DETR loss of a step in one pass.
+
+mmdet 3.3.0's ``DETRHead.loss_by_feat`` calls ``loss_by_feat_single`` once per decoder layer, and each call builds
+its targets image by image (``_get_targets_single``) and runs the classification, L1 and GIoU losses on its own:
+about 250 small tensor operations per layer in the forward and as many autograd nodes in the backward, where the
+step is bound by how fast the host issues them. With the assignments solved ahead (``batched_matching``), the
+targets of every layer are gathers from one padded table of each image's gt boxes, and the losses are elementwise
+over every layer's queries followed by one sum per layer: a few dozen operations for all layers together.
+
+Same losses as the stock per-layer calls up to float summation order: each element is computed by the same
+formula (mmdet's focal loss with ``reduction='none'``, ``giou_loss``, ``|pred - target|``), only the per-layer sums
+run over a ``(layers, ...)`` view, and the normalisers are the same integers (``sync_free_losses``'s host-side
+rule; in distributed training one all-reduce for every layer's counts instead of two per layer). The GIoU and L1
+loss modules' ``torch.any(weight > 0)`` host syncs are not taken: with no positive in a layer both sums are zero,
+as stock returns.
+
+Only heads whose losses are exactly mmdet's ``FocalLoss`` (sigmoid, not pre-activated), ``L1Loss`` and
+``GIoULoss`` are batched; a ``loss_by_feat_single`` call the pass did not foresee (the two-stage encoder's binary
+proposals, another head) runs as before.
+
+The two-stage Deformable-DETR's encoder loss matches the proposals against the gts relabelled as class 0 (a copy
+made inside ``loss_by_feat``); the pass makes the same relabelled copy, solves and computes that loss ahead too.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .matching import _prediction_key, _to_device_without_blocking, solve_ahead
+
+# mmdet's weight_reduce_loss divides by (avg_factor + this) whatever the dtype.
+_AVG_FACTOR_EPS = torch.finfo(torch.float32).eps
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def batchable_head(head) -> bool:
+    """Whether ``head``'s losses are the stock focal/L1/GIoU modules whose per-layer math this pass reproduces."""
+    from mmdet.models.losses import FocalLoss, GIoULoss, L1Loss
+    loss_cls = getattr(head, "loss_cls", None)
+    return (type(loss_cls) is FocalLoss and loss_cls.use_sigmoid and not loss_cls.activated
+            and type(getattr(head, "loss_bbox", None)) is L1Loss
+            and type(getattr(head, "loss_iou", None)) is GIoULoss
+            and getattr(loss_cls, "reduction", "mean") == "mean"
+            and head.loss_bbox.reduction == "mean" and head.loss_iou.reduction == "mean")
+
+
+def _padded_targets(batch_gt_instances, factors: torch.Tensor, num_classes: int):
+    """Per image, row 0 for background (label ``num_classes``, zero box) then its gts: normalized (cx, cy, w, h)
+    boxes ``(B, 1 + T, 4)`` and labels ``(B, 1 + T)``, T the largest gt count, as ``_get_targets_single`` makes
+    each positive's target (``bbox_xyxy_to_cxcywh(gt / factor)``)."""
+    from mmdet.structures.bbox import bbox_xyxy_to_cxcywh
+    most = max(len(gts) for gts in batch_gt_instances)
+    boxes, labels = [], []
+    for image, gts in enumerate(batch_gt_instances):
+        gt_boxes = gts.bboxes
+        pad = most - len(gts)
+        normalized = bbox_xyxy_to_cxcywh(gt_boxes / factors[image]).to(gt_boxes.dtype)
+        boxes.append(torch.cat([normalized.new_zeros(1, 4), normalized, normalized.new_zeros(pad, 4)]))
+        labels.append(torch.cat([gts.labels.new_full((1,), num_classes), gts.labels.long(),
+                                 gts.labels.new_full((pad,), num_classes)]))
+    return torch.stack(boxes), torch.stack(labels)
+
+
+def _host_gt_inds(solved: Dict, scores: torch.Tensor, batch_gt_instances) -> Optional[np.ndarray]:
+    """``(L, B, Q)`` per-query gt index (1-based, 0 background) of each layer and image, or None if a layer of an
+    image with gts was not solved ahead."""
+    num_layers, batch, num_queries = scores.shape[:3]
+    gt_inds = np.zeros((num_layers, batch, num_queries), dtype=np.int64)
+    for image, gts in enumerate(batch_gt_instances):
+        if len(gts) == 0:
+            continue  # assign's edge case: every query is background
+        for layer in range(num_layers):
+            host = solved.get(_prediction_key(scores[layer, image], gts))
+            if host is None:
+                return None
+            gt_inds[layer, image] = host
+    return gt_inds
+
+
+def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_instances, batch_img_metas,
+                 solved: Dict) -> Optional[List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """``loss_by_feat_single``'s ``(loss_cls, loss_bbox, loss_iou)`` of every layer of ``scores`` ``(L, B, Q, C)``
+    and ``bbox_preds`` ``(L, B, Q, 4)`` in one pass, from the assignments in ``solved``; None when an assignment
+    is missing (the caller then runs the stock per-layer calls)."""
+    from mmdet.models.losses.iou_loss import giou_loss
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
+    from mmdet.utils import reduce_mean
+
+    host_gt_inds = _host_gt_inds(solved, scores, batch_gt_instances)
+    if host_gt_inds is None:
+        return None
+    num_layers, batch, num_queries, num_classes = scores.shape
+    device = scores.device
+    num_pos = (host_gt_inds > 0).reshape(num_layers, -1).sum(1)
+    num_neg = (host_gt_inds == 0).reshape(num_layers, -1).sum(1)
+
+    sizes = torch.tensor([[meta["img_shape"][1], meta["img_shape"][0]] * 2 for meta in batch_img_metas],
+                         dtype=bbox_preds.dtype)
+    factors = _to_device_without_blocking(sizes, device)  # (B, 4): w, h, w, h
+    gt_dtype = batch_gt_instances[0].bboxes.dtype
+    target_boxes, target_labels = _padded_targets(batch_gt_instances, factors, head.num_classes)
+    gt_inds = _to_device_without_blocking(torch.from_numpy(host_gt_inds), device)  # (L, B, Q)
+    rows = gt_inds.reshape(num_layers, batch, num_queries)
+    labels = target_labels.unsqueeze(0).expand(num_layers, -1, -1).gather(2, rows)
+    bbox_targets = target_boxes.unsqueeze(0).expand(num_layers, -1, -1, -1).gather(
+        2, rows.unsqueeze(-1).expand(-1, -1, -1, 4))
+    positive = (rows > 0).to(gt_dtype)
+
+    # Classification: mmdet's focal loss per element (loss_weight included), summed per layer.
+    cls_avg = num_pos * 1.0 + num_neg * head.bg_cls_weight
+    flat_scores = scores.reshape(-1, num_classes)
+    label_weights = flat_scores.new_ones(flat_scores.shape[0], dtype=gt_dtype)
+    cls_elements = head.loss_cls(flat_scores, labels.reshape(-1), label_weights, reduction_override="none")
+    cls_sums = cls_elements.reshape(num_layers, -1).sum(1)
+
+    # Boxes: stock's pixel-space GIoU and normalized L1, each element as loss_by_feat_single computes it.
+    image_factors = factors[None, :, None]
+    pixel_preds = (bbox_cxcywh_to_xyxy(bbox_preds) * image_factors).reshape(-1, 4)
+    pixel_targets = (bbox_cxcywh_to_xyxy(bbox_targets) * image_factors).reshape(-1, 4)
+    iou_elements = giou_loss(pixel_preds, pixel_targets, eps=head.loss_iou.eps, reduction="none")
+    iou_sums = head.loss_iou.loss_weight * (iou_elements * positive.reshape(-1)).reshape(num_layers, -1).sum(1)
+    l1_elements = torch.abs(bbox_preds - bbox_targets) * positive.unsqueeze(-1)
+    l1_sums = head.loss_bbox.loss_weight * l1_elements.reshape(num_layers, -1).sum(1)
+
+    if _distributed():
+        counts = scores.new_tensor(np.stack([cls_avg, num_pos]).astype(np.float64))
+        cls_avg_t, num_pos_t = reduce_mean(counts).clamp(min=1)
+        if not head.sync_cls_avg_factor:
+            cls_avg_t = scores.new_tensor(np.maximum(cls_avg, 1).astype(np.float64))
+        loss_cls = cls_sums / (cls_avg_t + _AVG_FACTOR_EPS)
+        loss_bbox = l1_sums / (num_pos_t + _AVG_FACTOR_EPS)
+        loss_iou = iou_sums / (num_pos_t + _AVG_FACTOR_EPS)
+        keep_dim = True
+    else:
+        cls_divisor = torch.from_numpy(np.maximum(cls_avg, 1).astype(np.float64) + _AVG_FACTOR_EPS)
+        pos_divisor = torch.from_numpy(np.maximum(num_pos, 1).astype(np.float64) + _AVG_FACTOR_EPS)
+        divisors = _to_device_without_blocking(torch.stack([cls_divisor, pos_divisor]).to(cls_sums.dtype), device)
+        loss_cls = cls_sums / divisors[0]
+        loss_bbox = l1_sums / divisors[1]
+        loss_iou = iou_sums / divisors[1]
+        keep_dim = False
+    # Stock shapes: under sync_cls_avg_factor, loss_cls has the shape of its normaliser, a 1-element tensor unless
+    # ``max(normaliser, 1)`` picked the Python 1; 1-element box losses in distributed training.
+    cls_keeps_dim = [head.sync_cls_avg_factor and (keep_dim or cls_avg[layer] >= 1) for layer in range(num_layers)]
+    return [(loss_cls[layer:layer + 1] if cls_keeps_dim[layer] else loss_cls[layer],
+             loss_bbox[layer:layer + 1] if keep_dim else loss_bbox[layer],
+             loss_iou[layer:layer + 1] if keep_dim else loss_iou[layer]) for layer in range(num_layers)]
+
+
+def solve_losses_ahead(head, prediction_sets: Sequence[Tuple[torch.Tensor, torch.Tensor]], arguments: dict,
+                       solved: Dict) -> Dict:
+    """Every layer's losses of each ``(scores, bboxes)`` set, keyed as ``loss_by_feat_single`` will see the layer;
+    ``arguments`` are those of the head's ``loss_by_feat`` call."""
+    batch_gt_instances, batch_img_metas = arguments["batch_gt_instances"], arguments["batch_img_metas"]
+    ahead = {}
+    if not batch_gt_instances:
+        return ahead
+    for scores, bboxes in prediction_sets:
+        _add_layer_losses(ahead, head, scores, bboxes, batch_gt_instances, batch_img_metas, solved,
+                          _gts_key(batch_gt_instances))
+    if _two_stage_proposals(head, arguments):
+        proposal_gts = [_relabelled_as_class_0(gts) for gts in batch_gt_instances]
+        scores, bboxes = arguments["enc_cls_scores"], arguments["enc_bbox_preds"]
+        proposal_solved = solve_ahead(head.assigner, [(scores, bboxes)], proposal_gts, batch_img_metas)
+        _add_layer_losses(ahead, head, scores, bboxes, proposal_gts, batch_img_metas, proposal_solved,
+                          _PROPOSALS_KEY)
+    return ahead
+
+
+# loss_by_feat makes the relabelled proposal gts itself: the encoder's losses are found by its scores alone.
+_PROPOSALS_KEY = ("two-stage proposals",)
+
+
+def _gts_key(batch_gt_instances) -> tuple:
+    return (id(batch_gt_instances),)
+
+
+def _add_layer_losses(ahead, head, scores, bboxes, batch_gt_instances, batch_img_metas, solved, gts_key):
+    if scores.dim() == 3:
+        scores, bboxes = scores[None], bboxes[None]
+    losses = layer_losses(head, scores, bboxes, batch_gt_instances, batch_img_metas, solved)
+    if losses is not None:
+        for layer, layer_result in enumerate(losses):
+            ahead[_prediction_key(scores[layer], None) + gts_key] = layer_result
+
+
+def _two_stage_proposals(head, arguments: dict) -> bool:
+    # DINO matches its encoder against the gts as they are (a prediction set of its own); Deformable-DETR's
+    # two-stage encoder against class-0 copies.
+    from mmdet.models.dense_heads import DINOHead
+    return not isinstance(head, DINOHead) and arguments.get("enc_cls_scores") is not None
+
+
+def _relabelled_as_class_0(gt_instances):
+    relabelled = gt_instances.clone()
+    relabelled.labels = torch.zeros_like(gt_instances.labels)
+    return relabelled
+
+
+def _loss_by_feat_single_from_ahead(head):
+    """``head.loss_by_feat_single`` that returns a layer's losses computed ahead, else runs as before."""
+    loss_by_feat_single = head.loss_by_feat_single
+
+    def loss_by_feat_single_from_ahead(cls_scores, bbox_preds, batch_gt_instances, batch_img_metas):
+        ahead = getattr(head, "losses_ahead", None)
+        if ahead:
+            scores_key = _prediction_key(cls_scores, None)
+            found = ahead.get(scores_key + _gts_key(batch_gt_instances), ahead.get(scores_key + _PROPOSALS_KEY))
+            if found is not None:
+                return found
+        return loss_by_feat_single(cls_scores, bbox_preds, batch_gt_instances=batch_gt_instances,
+                                   batch_img_metas=batch_img_metas)
+
+    return loss_by_feat_single_from_ahead
+
+
+def enable_batched_losses(head) -> bool:
+    """Give one head whose matching is solved ahead (``batched_matching``) the batched per-layer losses; False if
+    its losses are not the stock modules this pass reproduces, or it has them already."""
+    if not batchable_head(head) or "prepare_layer_losses" in vars(head):
+        return False
+
+    def prepare_layer_losses(prediction_sets, arguments, solved):
+        head.losses_ahead = solve_losses_ahead(head, prediction_sets, arguments, solved)
+
+    head.loss_by_feat_single = _loss_by_feat_single_from_ahead(head)
+    head.prepare_layer_losses = prepare_layer_losses
+    return True
