@@ -6,8 +6,10 @@ Ranges (``torch.profiler.record_function``, prefix ``deform_plugin::``), none pa
   step, zero_grad) and ``wait_for_device`` (this benchmark's own end-of-step synchronisation): the profiled step
   (:func:`profiled_train_step`) runs mmengine's ``train_step`` pieces itself, each in its range;
 - ``msda``: entered by deform_plugin's MSDA op whenever a profiler runs;
-- ``matching``: around every assigner's ``assign`` (:func:`matching_ranges`); rows with the matching fast path add
-  ``matching.cost_terms``, ``matching.wait_and_copy_to_host`` and ``matching.scipy`` inside it.
+- ``matching``: around every assigner's ``assign`` (:func:`matching_ranges`), and entered by the batched matching
+  fast path's pass that solves a step's assignments ahead (its ``assign`` calls then only look them up; with the
+  batched losses, none is made); rows with the matching fast path add ``matching.cost_terms``,
+  ``matching.wait_and_copy_to_host`` and ``matching.scipy`` inside it.
 
 Per step, :func:`analyse_profile` reports the device time by component (CUDA kernel time; on a CPU, op self-time),
 the host time by component (CPU self-time of the ops and runtime calls that issued that work), the GPU-busy
