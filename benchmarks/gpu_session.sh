@@ -43,7 +43,11 @@ build_mmcv() {  # the stock baseline: mmcv 2.1.0's own CUDA ops for sm_90, into 
 start_mmcv_build() {  # once per host: later phases on the same (warm) host reuse the build
   [ -f /tmp/mmcv_build.started ] && return 0
   touch /tmp/mmcv_build.started
-  (build_mmcv; touch /tmp/mmcv_build.done) &
+  # In its own session: a call that runs past its time limit is killed with its process group, and the build
+  # (4 min alone on 16 cores, much longer beside the GPU tests) must outlive it for the next call to find it.
+  export -f build_mmcv
+  export full build_log
+  setsid nohup bash -c 'build_mmcv; touch /tmp/mmcv_build.done' > /dev/null 2>&1 < /dev/null &
 }
 
 wait_for_mmcv() {
