@@ -105,8 +105,7 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     factors = _to_device_without_blocking(sizes, device)  # (B, 4): w, h, w, h
     gt_dtype = batch_gt_instances[0].bboxes.dtype
     target_boxes, target_labels = _padded_targets(batch_gt_instances, factors, head.num_classes)
-    gt_inds = _to_device_without_blocking(torch.from_numpy(host_gt_inds), device)  # (L, B, Q)
-    rows = gt_inds.reshape(num_layers, batch, num_queries)
+    rows = _to_device_without_blocking(torch.from_numpy(host_gt_inds), device)  # (L, B, Q) gt index per query
     labels = target_labels.unsqueeze(0).expand(num_layers, -1, -1).gather(2, rows)
     bbox_targets = target_boxes.unsqueeze(0).expand(num_layers, -1, -1, -1).gather(
         2, rows.unsqueeze(-1).expand(-1, -1, -1, 4))
