@@ -8,9 +8,11 @@ A *row* is ``BACKEND:MODE[:FAST]``, timed on every config given:
              mmcv | pytorch | triton | auto
                       deform_plugin's MSDA module with that backend (``set_default_backend``)
     MODE     fp32 | fp16 | bf16    (fp16/bf16 = mmengine ``AmpOptimWrapper`` with that dtype; autocast at inference)
-    FAST     config (default: whatever the config selects) | none | all | a '+' list of
+    FAST     config (default: whatever the config selects) | none | all (every exact one) | a '+' list of
              optim (merged param groups + fused/foreach optimizer), sdpa (SDPA attention bricks),
-             matching (Hungarian matching with fewer host syncs)
+             matching (batched Hungarian matching), losses (sync-free loss normalisers), batched (every
+             layer's loss in one pass), forward (sync-free forward), graph (graph inference), buckets
+             (ShapeBucketsHook's training padding: the config's divisor, else 128; not exact)
 
 The first row is the baseline of the speedup columns. Examples::
 
@@ -27,7 +29,9 @@ The first row is the baseline of the speedup columns. Examples::
 Each timed training step is mmengine's ``model.train_step`` (data preprocessor, forward, loss, backward, clip,
 optimizer step, zero_grad) on one fixed synthetic batch, bracketed by device synchronisation. The image size is
 --shape, else the config's own (the first fixed size of its training pipeline, then of its test pipeline); a size
-the model cannot take is refused with the reason. ``--profile`` adds a torch.profiler breakdown per row (see
+the model cannot take is refused with the reason. ``--variable-sizes N`` adds N steps on batches of new
+random-resize sizes (the DETR pipelines' distribution), then the same batches again: the cost of a new input size.
+``--profile`` adds a torch.profiler breakdown per row (see
 ``tools/profile_step.py``). The code lives in the ``benchmarks.detector`` package.
 """
 import sys

@@ -43,7 +43,8 @@ def check_still_stock() -> None:
 def child_passthrough_args(args, shape: Tuple[int, int]) -> List[str]:
     passthrough = ["--device", args.device, "--shape", str(shape[0]), str(shape[1]),
                    "--batch-size", str(args.batch_size), "--num-gts", str(args.num_gts), "--warmup", str(args.warmup),
-                   "--steps", str(args.steps), "--inference-warmup", str(args.inference_warmup),
+                   "--steps", str(args.steps), "--variable-sizes", str(args.variable_sizes),
+                   "--inference-warmup", str(args.inference_warmup),
                    "--inference-steps", str(args.inference_steps), "--seed", str(args.seed),
                    "--profile-steps", str(args.profile_steps), "--msda-kernel-regex", args.msda_kernel_regex]
     for flag in ("profile", "profile_only", "trace", "no_progress", "tf32"):

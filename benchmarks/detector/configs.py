@@ -14,17 +14,22 @@ import torch
 
 from benchmarks.detector.rows import Row
 
-# What makes a config deform_plugin's rather than stock mmdet's: the package's imports, its hook, its optimizer
+# What makes a config deform_plugin's rather than stock mmdet's: the package's imports, its hooks, its optimizer
 # constructor, and its drop-in types with the mmengine types they extend (same arguments), which stock runs use.
 PLUGIN_PACKAGE = "deform_plugin"
 FAST_PATHS_HOOK = "FastPathsHook"
+PLUGIN_HOOKS = (FAST_PATHS_HOOK, "ShapeBucketsHook")
 MERGED_CONSTRUCTOR = "MergedParamGroupsOptimWrapperConstructor"
 PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWrapper": "AmpOptimWrapper",
                      "DeferredRuntimeInfoHook": "RuntimeInfoHook"}
-# The FastPathsHook switches (and the graph inference) that each FAST choice of a row turns on.
+# The FastPathsHook switches (and the graph inference, and ShapeBucketsHook's training padding) that each FAST
+# choice of a row turns on.
 FAST_PATH_SWITCHES = {"optim": (), "sdpa": ("sdpa_attention",), "matching": ("batched_matching",),
                       "losses": ("sync_free_losses",), "batched": ("batched_losses",),
-                      "forward": ("sync_free_forward",), "graph": ("graph_inference",)}
+                      "forward": ("sync_free_forward",), "graph": ("graph_inference",),
+                      "buckets": ("shape_buckets",)}
+# ShapeBucketsHook's default, for rows that force the buckets on a config without the hook.
+DEFAULT_BUCKET_DIVISOR = 128
 # mmdet's usual COCO test scale, used when a config's pipelines fix no size.
 FALLBACK_SHAPE = (800, 1333)
 
@@ -49,7 +54,7 @@ def load_config(path: str, cfg_options: Optional[dict], plugin: bool):
     if not plugin:
         imports = [name for name in imports if name.split(".")[0] != PLUGIN_PACKAGE]
         if cfg.get("custom_hooks"):
-            cfg.custom_hooks = [h for h in cfg.custom_hooks if h.get("type") != FAST_PATHS_HOOK]
+            cfg.custom_hooks = [h for h in cfg.custom_hooks if h.get("type") not in PLUGIN_HOOKS]
         if cfg.optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:
             cfg.optim_wrapper.pop("constructor")
         if cfg.optim_wrapper.get("type") in PLUGIN_TYPE_BASES:
@@ -82,19 +87,29 @@ def drop_pretrained_init(node) -> int:
     return removed
 
 
-def resolve_fast_paths(cfg, row: Row) -> Dict[str, bool]:
-    """Set the optimizer constructor in ``cfg`` for ``row``; return the model-level switches to apply."""
+def resolve_fast_paths(cfg, row: Row) -> Dict[str, object]:
+    """Set the optimizer constructor in ``cfg`` for ``row``; return the model-level switches to apply.
+
+    ``shape_buckets`` (popped by the caller) is the training batch's size divisor of ShapeBucketsHook, or absent.
+    """
     if not row.plugin:
         return {}
-    from deform_plugin.engine import fast_path_switches_from_config
+    from deform_plugin.engine import fast_path_switches_from_config, training_size_divisor_from_config
     forced = row.fast_set()
+    divisor = training_size_divisor_from_config(cfg)
     if forced is None:
-        return dict(fast_path_switches_from_config(cfg))
+        switches = dict(fast_path_switches_from_config(cfg))
+        if divisor is not None:
+            switches["shape_buckets"] = divisor
+        return switches
     if "optim" in forced:
         cfg.optim_wrapper["constructor"] = MERGED_CONSTRUCTOR
     elif cfg.optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:
         cfg.optim_wrapper.pop("constructor")
-    return {switch: True for choice in forced for switch in FAST_PATH_SWITCHES.get(choice, ())}
+    switches = {switch: True for choice in forced for switch in FAST_PATH_SWITCHES.get(choice, ())}
+    if switches.pop("shape_buckets", False):
+        switches["shape_buckets"] = divisor or DEFAULT_BUCKET_DIVISOR
+    return switches
 
 
 def optim_wrapper_config(cfg, mode: str, plugin: bool = False):

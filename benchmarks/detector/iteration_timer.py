@@ -7,7 +7,9 @@ window or precede one. A window ``(a, b)`` (1-based, inclusive) spans from the e
 ``a = 1``, the start of training) to the end of iteration ``b``, every hook of those iterations included.
 
 Where ``deform_plugin`` is already imported (never imported from here), it also records how many Triton kernel
-variants our ops have compiled: after ``warmup_iters`` iterations and at the end.
+variants our ops have compiled: after ``warmup_iters`` iterations and at the end. It counts the distinct padded
+input shapes of the batches (each new one costs cuDNN/cuBLAS plan selection) and the pixels computed against the
+images' own.
 
 The result goes to a JSON file: ``out_file``, else ``$DEFORM_PLUGIN_TIMING_JSON``, else
 ``<work_dir>/iteration_timing.json``. Usable from a config without deform_plugin::
@@ -56,6 +58,23 @@ def images_in_batch(data_batch) -> int:
         return len(inputs)
     raise TypeError(f"cannot count the images of a batch of type {type(data_batch).__name__}: expected "
                     "mmengine's dict(inputs=list or tensor, ...)")
+
+
+def padded_batch_shape(data_batch, size_divisor: int) -> Optional[Tuple[Tuple[int, int], int, int]]:
+    """((height, width) the data preprocessor pads the batch to, padded pixels, image pixels), or None.
+
+    mmengine's ``ImgDataPreprocessor`` pads a list of CHW images to the largest height and width, rounded up to
+    ``size_divisor``.
+    """
+    inputs = data_batch.get("inputs") if isinstance(data_batch, dict) else None
+    if not isinstance(inputs, (list, tuple)) or not inputs or not all(
+            isinstance(i, torch.Tensor) and i.dim() == 3 for i in inputs):
+        return None
+    heights = [int(i.shape[-2]) for i in inputs]
+    widths = [int(i.shape[-1]) for i in inputs]
+    divisor = max(int(size_divisor), 1)
+    shape = (-(-max(heights) // divisor) * divisor, -(-max(widths) // divisor) * divisor)
+    return shape, len(inputs) * shape[0] * shape[1], sum(h * w for h, w in zip(heights, widths))
 
 
 def compiled_variants_if_loaded() -> Optional[Dict[str, int]]:
@@ -118,6 +137,10 @@ class IterationTimerHook(Hook):
         self._compiles_after_warmup: Optional[Dict[str, int]] = None
         self._peak_allocated = 0
         self._peak_reserved = 0
+        self._shapes: set = set()
+        self._shapes_after_warmup = 0
+        self._padded_pixels = 0
+        self._image_pixels = 0
 
     def _check_plugin(self, when: str) -> None:
         loaded = PLUGIN_MODULE in sys.modules
@@ -152,6 +175,16 @@ class IterationTimerHook(Hook):
             # read after each iteration (allocator statistics, no device sync).
             self._peak_allocated = max(self._peak_allocated, torch.cuda.max_memory_allocated())
             self._peak_reserved = max(self._peak_reserved, torch.cuda.max_memory_reserved())
+        model = getattr(runner.model, "module", runner.model)
+        padded = padded_batch_shape(data_batch, getattr(getattr(model, "data_preprocessor", None),
+                                                        "pad_size_divisor", 1))
+        if padded is not None:
+            shape, padded_pixels, image_pixels = padded
+            if shape not in self._shapes and iteration > self.warmup_iters:
+                self._shapes_after_warmup += 1
+            self._shapes.add(shape)
+            self._padded_pixels += padded_pixels
+            self._image_pixels += image_pixels
         if iteration in self._boundary_set:
             self._mark(iteration)
         if iteration == self.warmup_iters:
@@ -189,6 +222,9 @@ class IterationTimerHook(Hook):
             compiled_total=None if compiles_end is None else sum(compiles_end.values()),
             compiled_after_warmup=(None if compiles_end is None or after_warmup is None
                                    else sum(compiles_end.values()) - sum(after_warmup.values())),
+            batch_shapes=len(self._shapes),
+            batch_shapes_after_warmup=self._shapes_after_warmup,
+            padded_over_image_pixels=(self._padded_pixels / self._image_pixels if self._image_pixels else None),
             optim_wrapper=None if optim_wrapper is None else type(optim_wrapper).__name__,
             amp_dtype=None if cast_dtype is None else str(cast_dtype).replace("torch.", ""),
             msda_modules=_msda_module_classes(getattr(runner, "model", None)),

@@ -29,6 +29,10 @@ def add_speedups(results: List[dict]) -> None:
                 mem, base_mem = r["train"].get("memory"), base["train"].get("memory")
                 if mem and base_mem:
                     r["train"]["memory_ratio"] = mem["allocated_mb"] / base_mem["allocated_mb"]
+            if r.get("variable") and base.get("variable"):
+                for name in ("new_sizes", "seen_sizes"):
+                    r["variable"][name]["speedup"] = (r["variable"][name]["img_per_s"] /
+                                                      base["variable"][name]["img_per_s"])
             if r.get("inference") and base.get("inference"):
                 r["inference"]["speedup"] = r["inference"]["fps"] / base["inference"]["fps"]
 
@@ -57,6 +61,23 @@ def _timing_table(rows: List[dict]) -> str:
                       _fmt(i.get("speedup"), ".2f") + "x",
                       _fmt((t.get("first_step_losses") or {}).get("loss"), ".4f"), _status(r)])
     return markdown_table(header, lines)
+
+
+def _variable_table(rows: List[dict]) -> Optional[str]:
+    timed = [r for r in rows if r.get("variable")]
+    if not timed:
+        return None
+    header = ["row", "new sizes img/s", "speedup", "seen sizes img/s", "speedup", "new size costs ms/step",
+              "batch shapes"]
+    lines = []
+    for r in timed:
+        v = r["variable"]
+        new, seen = v["new_sizes"], v["seen_sizes"]
+        lines.append([r["row"], f"{new['img_per_s']:.2f}", _fmt(new.get("speedup"), ".2f") + "x",
+                      f"{seen['img_per_s']:.2f}", _fmt(seen.get("speedup"), ".2f") + "x",
+                      f"{v['new_size_cost_ms']:.0f}", str(v["distinct_batch_shapes"])])
+    return ("training at random-resize sizes: each batch first at a size not seen before, then the same batches "
+            "again\n" + markdown_table(header, lines))
 
 
 def _profile_table(rows: List[dict]) -> Optional[str]:
@@ -88,6 +109,9 @@ def format_table(results: List[dict], info: dict) -> str:
         shape = rows[0].get("shape")
         shape_text = f", shape {shape[0]}x{shape[1]}" if shape else ""
         lines += ["", f"config: {config} (baseline: {rows[0]['row']}{shape_text})", _timing_table(rows)]
+        variable = _variable_table(rows)
+        if variable:
+            lines += ["", variable]
         profile = _profile_table(rows)
         if profile:
             lines += ["", profile]
@@ -97,7 +121,8 @@ def format_table(results: List[dict], info: dict) -> str:
 CSV_FIELDS = ("config", "row", "backend", "mode", "fast", "shape", "status", "error", "param_groups",
               "train_median_ms", "train_p20_ms", "train_p80_ms", "train_std_ms", "img_per_s", "train_speedup",
               "peak_allocated_mb", "peak_reserved_mb", "memory_ratio", "first_loss", "infer_median_ms", "infer_fps",
-              "infer_speedup", "profile_step_wall_ms", "profile_busy_fraction", "profile_kernels_per_step",
+              "infer_speedup", "new_sizes_img_per_s", "seen_sizes_img_per_s", "new_size_cost_ms",
+              "profile_step_wall_ms", "profile_busy_fraction", "profile_kernels_per_step",
               "profile_host_syncs_per_step", "profile_host_reads_per_step",
               *[f"profile_{c}_ms" for c in PROFILE_COMPONENTS], *[f"profile_host_{c}_ms" for c in PROFILE_COMPONENTS],
               "host_forward_ms", "host_backward_ms", "host_matching_ms", "host_optimizer_ms")
@@ -105,6 +130,7 @@ CSV_FIELDS = ("config", "row", "backend", "mode", "fast", "shape", "status", "er
 
 def csv_row(r: dict) -> dict:
     t, i, p = r.get("train") or {}, r.get("inference") or {}, r.get("profile") or {}
+    v = r.get("variable") or {}
     mem = t.get("memory") or {}
     host_ranges = p.get("host_ms_per_step") or {}
     row = {"config": r["config"], "row": r["row"], "backend": r["backend"], "mode": r["mode"], "fast": r["fast"],
@@ -115,6 +141,9 @@ def csv_row(r: dict) -> dict:
            "peak_allocated_mb": mem.get("allocated_mb"), "peak_reserved_mb": mem.get("reserved_mb"),
            "memory_ratio": t.get("memory_ratio"), "first_loss": (t.get("first_step_losses") or {}).get("loss"),
            "infer_median_ms": i.get("median_ms"), "infer_fps": i.get("fps"), "infer_speedup": i.get("speedup"),
+           "new_sizes_img_per_s": (v.get("new_sizes") or {}).get("img_per_s"),
+           "seen_sizes_img_per_s": (v.get("seen_sizes") or {}).get("img_per_s"),
+           "new_size_cost_ms": v.get("new_size_cost_ms"),
            "profile_step_wall_ms": p.get("step_wall_ms"), "profile_busy_fraction": p.get("busy_fraction"),
            "profile_kernels_per_step": p.get("kernels_per_step", p.get("ops_per_step")),
            "profile_host_syncs_per_step": p.get("host_syncs_per_step"),

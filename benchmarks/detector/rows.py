@@ -17,7 +17,9 @@ from typing import List, Optional
 
 BACKEND_CHOICES = ("stock", "mmcv", "pytorch", "triton", "auto")
 MODE_CHOICES = ("fp32", "fp16", "bf16")
-FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "batched", "forward", "graph")
+# 'all' selects the exact ones; 'buckets' (ShapeBucketsHook's training padding) changes the padding, so a row names it.
+EXACT_FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "batched", "forward", "graph")
+FAST_PATH_CHOICES = EXACT_FAST_PATH_CHOICES + ("buckets",)
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Row:
         if self.fast == "none":
             return frozenset()
         if self.fast == "all":
-            return frozenset(FAST_PATH_CHOICES)
+            return frozenset(EXACT_FAST_PATH_CHOICES)
         return frozenset(self.fast.split("+"))
 
 

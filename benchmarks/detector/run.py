@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -23,8 +24,8 @@ from benchmarks.detector.configs import (default_shape, drop_pretrained_init, lo
 from benchmarks.detector.profiling import profile_lines, profile_training
 from benchmarks.detector.report import add_speedups, format_table, write_outputs
 from benchmarks.detector.rows import BACKEND_CHOICES, MODE_CHOICES, Row, build_rows, parse_row, row_result
-from benchmarks.detector.synthetic import make_batch
-from benchmarks.detector.timing import mmdet_line, time_inference, time_training
+from benchmarks.detector.synthetic import make_batch, make_variable_batches
+from benchmarks.detector.timing import mmdet_line, time_inference, time_training, time_variable_sizes
 
 
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
@@ -45,6 +46,10 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--num-gts", type=int, default=10, help="ground-truth objects per synthetic image")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20, help="timed training steps (0: skip training)")
+    parser.add_argument("--variable-sizes", type=int, default=0, metavar="N",
+                        help="also time N training steps on batches of new random-resize sizes (shorter side "
+                        "480-800, longer <= 1333, COCO-like aspect ratios), then the same N batches again: img/s "
+                        "at new sizes, at seen sizes, and the cost of a new size per step")
     parser.add_argument("--inference-warmup", type=int, default=5)
     parser.add_argument("--inference-steps", type=int, default=20, help="timed batch-1 inferences (0: skip)")
     parser.add_argument("--profile", action="store_true", help="also profile --profile-steps steps per row")
@@ -115,6 +120,7 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
     model.to(device)
     result["fast_path_sites"] = {}
     graph_inference = switches.pop("graph_inference", False)
+    bucket_divisor = switches.pop("shape_buckets", None)
     if row.plugin and any(switches.values()):
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         result["fast_path_sites"] = apply_fast_paths(model, **switches)
@@ -125,6 +131,12 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
                            "param_groups": len(optimizer.param_groups),
                            "fused": bool(optimizer.defaults.get("fused")),
                            "foreach": optimizer.defaults.get("foreach")}
+    eval_divisor = model.data_preprocessor.pad_size_divisor
+    # As ShapeBucketsHook does in the Runner: training batches only.
+    train_divisor = math.lcm(eval_divisor, bucket_divisor) if bucket_divisor else eval_divisor
+    if bucket_divisor:
+        result["fast_path_sites"]["shape_buckets"] = train_divisor
+    model.data_preprocessor.pad_size_divisor = train_divisor
     height, width = shape
     batch = make_batch(model, args.batch_size, height, width, args.num_gts, args.seed)
     label = f"{short_config_name(config_path)} {row.label}"
@@ -134,6 +146,15 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
                                             not args.no_progress, label)
             print(f"{label} " + mmdet_line("train", result["train"]["img_per_s"], result["train"]["memory"]),
                   flush=True)
+        if args.variable_sizes > 0:
+            batches = make_variable_batches(model, args.variable_sizes, args.batch_size, args.num_gts, args.seed)
+            v = time_variable_sizes(model, optim_wrapper, batches, device, not args.no_progress, label)
+            result["variable"] = v
+            print(f"{label} [train, variable sizes] new sizes {v['new_sizes']['img_per_s']:.2f} img/s, seen sizes "
+                  f"{v['seen_sizes']['img_per_s']:.2f} img/s, a new size costs {v['new_size_cost_ms']:.0f} ms "
+                  f"({v['distinct_batch_shapes']} distinct batch shapes)", flush=True)
+            del batches
+        model.data_preprocessor.pad_size_divisor = eval_divisor
         if args.inference_steps > 0:
             batch1 = make_batch(model, 1, height, width, args.num_gts, args.seed)
             if graph_inference and device.type == "cuda":
@@ -144,6 +165,7 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
             print(f"{label} " + mmdet_line("inference", result["inference"]["fps"],
                                            result["inference"]["memory"]), flush=True)
     if args.profile or args.profile_only:
+        model.data_preprocessor.pad_size_divisor = train_divisor
         trace = None
         if args.trace and args.out_dir:
             trace = os.path.join(args.out_dir, f"trace_{short_config_name(config_path)}_{row.label.replace(':', '-')}"

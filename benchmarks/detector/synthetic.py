@@ -1,9 +1,16 @@
 """Synthetic training batches for the detector benchmark: what mmdet's dataloader yields, without a dataset."""
 from __future__ import annotations
 
-from typing import Dict
+import random
+from typing import Dict, List, Tuple
 
 import torch
+
+# Image sizes of COCO-like sources, and mmdet's DETR-family training resize: the shorter side drawn from 480-800 in
+# steps of 32, the longer side at most 1333, aspect ratio kept.
+SOURCE_SIZES = ((480, 640), (640, 480), (640, 640), (427, 640))
+SHORT_SIDES = tuple(range(480, 801, 32))
+LONG_SIDE_MAX = 1333
 
 
 def detector_label_spaces(model) -> Dict[str, int]:
@@ -62,3 +69,26 @@ def make_batch(model, batch_size: int, height: int, width: int, num_gts: int, se
             sample.gt_sem_seg = PixelData(sem_seg=sem)
         samples.append(sample)
     return {"inputs": inputs, "data_samples": samples}
+
+
+def random_resize_sizes(count: int, seed: int) -> List[Tuple[int, int]]:
+    """``count`` (height, width) pairs as the DETR configs' random resize turns COCO-like sources into."""
+    rng = random.Random(seed)
+    sizes = []
+    for _ in range(count):
+        height, width = rng.choice(SOURCE_SIZES)
+        scale = min(rng.choice(SHORT_SIDES) / min(height, width), LONG_SIDE_MAX / max(height, width))
+        sizes.append((int(height * scale + 0.5), int(width * scale + 0.5)))
+    return sizes
+
+
+def make_variable_batches(model, count: int, batch_size: int, num_gts: int, seed: int) -> List[dict]:
+    """``count`` batches whose images each have their own random-resize size (mmdet pads each batch to its largest)."""
+    sizes = random_resize_sizes(count * batch_size, seed)
+    batches = []
+    for index in range(count):
+        images = [make_batch(model, 1, h, w, num_gts, seed + index * batch_size + k)
+                  for k, (h, w) in enumerate(sizes[index * batch_size:(index + 1) * batch_size])]
+        batches.append({"inputs": [b["inputs"][0] for b in images],
+                        "data_samples": [b["data_samples"][0] for b in images]})
+    return batches

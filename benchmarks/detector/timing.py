@@ -65,6 +65,32 @@ def time_training(model, optim_wrapper, batch, device, warmup: int, steps: int, 
     return summary
 
 
+def time_variable_sizes(model, optim_wrapper, batches, device, show_progress: bool, label: str) -> dict:
+    """Training steps over batches of sizes never seen before, then over the same batches again.
+
+    The first pass pays whatever a new input size costs (kernel compilation, cuDNN/cuBLAS plan selection, allocator
+    growth); the second pass runs the same sizes warm. Their difference per step is the cost of a new size.
+    """
+    model.train()
+    passes = {}
+    for name in ("new_sizes", "seen_sizes"):
+        times = []
+        for batch in progress(batches, f"{label} {name.replace('_', ' ')}", show_progress):
+            synchronize(device)
+            start = time.perf_counter()
+            model.train_step(batch, optim_wrapper)
+            synchronize(device)
+            times.append(time.perf_counter() - start)
+        images = sum(len(batch["inputs"]) for batch in batches)
+        passes[name] = dict(summarize_ms(times), img_per_s=images / sum(times), total_s=sum(times))
+    passes["new_size_cost_ms"] = (passes["new_sizes"]["total_s"] - passes["seen_sizes"]["total_s"]) * 1e3 / len(
+        batches)
+    padded = [tuple(max(image.shape[-2 + axis] for image in batch["inputs"]) for axis in range(2))
+              for batch in batches]
+    passes["distinct_batch_shapes"] = len(set(padded))
+    return passes
+
+
 def time_inference(model, batch1, device, mode: str, warmup: int, steps: int, show_progress: bool,
                    label: str) -> dict:
     """``model.test_step`` at batch 1 under no_grad (and autocast in fp16/bf16 rows)."""

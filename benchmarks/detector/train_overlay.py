@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .coco_source import CocoSource
-from .configs import FAST_PATHS_HOOK, MERGED_CONSTRUCTOR, PLUGIN_PACKAGE, PLUGIN_TYPE_BASES
+from .configs import MERGED_CONSTRUCTOR, PLUGIN_HOOKS, PLUGIN_PACKAGE, PLUGIN_TYPE_BASES
 from .iteration_timer import validate_windows
 
 TIMER_MODULE = "benchmarks.detector.iteration_timer"
@@ -151,8 +151,8 @@ def plugin_references(node, path: str = "") -> List[str]:
     elif isinstance(node, (list, tuple)):
         for index, value in enumerate(node):
             found.extend(plugin_references(value, f"{path}[{index}]"))
-    elif isinstance(node, str) and (node.split(".")[0] == PLUGIN_PACKAGE or node in (FAST_PATHS_HOOK,
-                                                                                     MERGED_CONSTRUCTOR)
+    elif isinstance(node, str) and (node.split(".")[0] == PLUGIN_PACKAGE or node in PLUGIN_HOOKS
+                                    or node == MERGED_CONSTRUCTOR
                                     or node in PLUGIN_TYPE_BASES):
         found.append(f"{path}={node!r}")
     return found
@@ -204,7 +204,7 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
     hooks = copy.deepcopy(list(base.get("custom_hooks") or []))
     if row.stock:
         imports = [name for name in imports if name.split(".")[0] != PLUGIN_PACKAGE]
-        hooks = [hook for hook in hooks if hook.get("type") != FAST_PATHS_HOOK]
+        hooks = [hook for hook in hooks if hook.get("type") not in PLUGIN_HOOKS]
         optim_wrapper = base.get("optim_wrapper") or {}
         if (optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR
                 or optim_wrapper.get("type") in PLUGIN_TYPE_BASES):

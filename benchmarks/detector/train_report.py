@@ -21,7 +21,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
-              "peak_allocated_mib", "speedup", "amp_dtype", "iters", "batch_size", "workers")
+              "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib", "speedup", "amp_dtype", "iters", "batch_size", "workers")
 
 
 def package_version(*names: str) -> str:
@@ -70,7 +70,8 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
     """The figures of one row (None where the row failed or a window was not reached)."""
     metrics = dict(config=Path(result["config"]).name, row=result["row"], status=result["status"],
                    steady_img_s=None, steady_ms_per_iter=None, all_img_s=None, first_img_s=None,
-                   all_over_steady=None, compiled_total=None, compiled_after_warmup=None, peak_allocated_mib=None,
+                   all_over_steady=None, compiled_total=None, compiled_after_warmup=None, batch_shapes=None,
+                   batch_shapes_after_warmup=None, padded_over_image_pixels=None, peak_allocated_mib=None,
                    speedup=None, amp_dtype=None)
     timing = result.get("timing")
     if not timing:
@@ -84,6 +85,9 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
         first_img_s=figures["first"].get("img_per_s"),
         compiled_total=timing.get("compiled_total"),
         compiled_after_warmup=timing.get("compiled_after_warmup"),
+        batch_shapes=timing.get("batch_shapes"),
+        batch_shapes_after_warmup=timing.get("batch_shapes_after_warmup"),
+        padded_over_image_pixels=timing.get("padded_over_image_pixels"),
         peak_allocated_mib=timing.get("peak_allocated_mib"),
         amp_dtype=timing.get("amp_dtype"),
     )
@@ -132,16 +136,20 @@ def markdown(report: dict) -> str:
         "",
         f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
         f"| img/s it {whole[0]}-{whole[1]} | img/s it {first[0]}-{first[1]} | {whole[0]}-{whole[1]} / steady "
-        f"| compiled kernels (new after it {first[1]}) | peak MiB | speedup |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "
+        f"| padded px / image px | peak MiB | speedup |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for m in report["rows"]:
         compiled = "-" if m["compiled_total"] is None else (
             f"{m['compiled_total']} ({_fmt(m['compiled_after_warmup'], 'd')})")
+        shapes = "-" if m["batch_shapes"] is None else (
+            f"{m['batch_shapes']} ({_fmt(m['batch_shapes_after_warmup'], 'd')})")
         lines.append(
             f"| {m['config']} | {m['row']} | {m['status']} | {_fmt(m['steady_img_s'])} "
             f"| {_fmt(m['steady_ms_per_iter'], '.1f')} | {_fmt(m['all_img_s'])} | {_fmt(m['first_img_s'])} "
-            f"| {_fmt(m['all_over_steady'])} | {compiled} | {_fmt(m['peak_allocated_mib'], '.0f')} "
+            f"| {_fmt(m['all_over_steady'])} | {compiled} | {shapes} | {_fmt(m['padded_over_image_pixels'])} "
+            f"| {_fmt(m['peak_allocated_mib'], '.0f')} "
             f"| {_fmt(m['speedup'], '.2f', 'x')} |")
     failed = [r for r in report["results"] if r["status"] != "ok"]
     for result in failed:

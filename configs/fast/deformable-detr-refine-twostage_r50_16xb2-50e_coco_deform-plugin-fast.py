@@ -1,4 +1,4 @@
-# Deformable-DETR refine two-stage R50 on deform_plugin's MSDA, with every exact step-level speedup selected:
+# Deformable-DETR refine two-stage R50 on deform_plugin's MSDA, with every step-level speedup selected:
 #   - MergedParamGroupsOptimWrapperConstructor: the stock per-parameter lr/weight decay in a few merged param
 #     groups, on the fused (CUDA) or foreach AdamW kernels;
 #   - SyncFreeOptimWrapper + DeferredRuntimeInfoHook: losses and the gradient norm reach the logger once per logging
@@ -6,7 +6,11 @@
 #   - FastPathsHook: decoder self-attention through PyTorch SDPA; every decoder layer's Hungarian matching in one
 #     pass with one copy to the host; every decoder layer's losses (and the encoder's) in one batched pass; the
 #     loss normalisers and the forward without host syncs.
-# Losses and gradients match the plain config to float rounding (docs/whole_detector.md explains why).
+#   - ShapeBucketsHook (the one change that is not exact): training batches padded to multiples of 128 px, so
+#     that the random-resize pipeline yields a few dozen input shapes instead of a new one per batch, each
+#     of which costs cuDNN/cuBLAS plan selection (docs/whole_detector.md measures both sides).
+# Apart from that padding, losses and gradients match the plain config to float rounding (docs/whole_detector.md
+# explains why).
 # Optimizer state dicts differ in layout from stock runs: resume a run with the constructor it was started with.
 _base_ = '../deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py'
 
@@ -14,4 +18,5 @@ custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], allow_f
 optim_wrapper = dict(type='SyncFreeOptimWrapper', constructor='MergedParamGroupsOptimWrapperConstructor')
 default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
-                     batched_losses=True, sync_free_forward=True)]
+                     batched_losses=True, sync_free_forward=True),
+                dict(type='ShapeBucketsHook', size_divisor=128)]

@@ -1,9 +1,11 @@
 # DINO-4scale R50 on deform_plugin's MSDA, with every exact step-level speedup selected (the Deformable-DETR file
-# next to this one lists them; docs/whole_detector.md explains why each is exact).
+# next to this one lists them; docs/whole_detector.md explains why each is exact), and its training batches padded
+# to multiples of 128 px by ShapeBucketsHook (not exact: more padding, few distinct input shapes).
 _base_ = '../dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py'
 
 custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], allow_failed_imports=False)
 optim_wrapper = dict(type='SyncFreeOptimWrapper', constructor='MergedParamGroupsOptimWrapperConstructor')
 default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
-                     batched_losses=True, sync_free_forward=True)]
+                     batched_losses=True, sync_free_forward=True),
+                dict(type='ShapeBucketsHook', size_divisor=128)]

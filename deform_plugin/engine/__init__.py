@@ -3,10 +3,13 @@
 - ``MergedParamGroupsOptimWrapperConstructor`` (``optim_wrapper.constructor``): the stock per-parameter
   hyper-parameters in merged param groups, on fused/foreach optimizer kernels.
 - ``FastPathsHook`` (``custom_hooks``): SDPA attention bricks and fewer host syncs in Hungarian matching.
+- ``ShapeBucketsHook`` (``custom_hooks``): training batches padded to a few distinct shapes (not exact: more
+  padding), so that random-resize pipelines stop paying per-shape cuDNN/cuBLAS plan selection every step.
 - ``SyncFreeOptimWrapper`` / ``SyncFreeAmpOptimWrapper`` (``optim_wrapper.type``) and ``DeferredRuntimeInfoHook``
   (``default_hooks.runtime_info``): no per-iteration host syncs for logging, no loss scaling for bf16.
 """
-from .hooks import DeferredRuntimeInfoHook, FastPathsHook, fast_path_switches_from_config
+from .hooks import (DeferredRuntimeInfoHook, FastPathsHook, ShapeBucketsHook, fast_path_switches_from_config,
+                    training_size_divisor_from_config)
 from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels,
                                 merge_param_groups)
 from .sync_free import DEFERRED_SCALARS, SyncFreeAmpOptimWrapper, SyncFreeOptimWrapper
@@ -16,9 +19,11 @@ __all__ = [
     "DeferredRuntimeInfoHook",
     "FastPathsHook",
     "MergedParamGroupsOptimWrapperConstructor",
+    "ShapeBucketsHook",
     "SyncFreeAmpOptimWrapper",
     "SyncFreeOptimWrapper",
     "choose_optimizer_kernels",
     "fast_path_switches_from_config",
     "merge_param_groups",
+    "training_size_divisor_from_config",
 ]

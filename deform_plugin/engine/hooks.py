@@ -1,6 +1,7 @@
 """Hooks of the fast training step: the exact fast paths, and loss logging without per-iteration host syncs."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from mmengine.hooks import Hook, LoggerHook, RuntimeInfoHook
@@ -51,6 +52,69 @@ class FastPathsHook(Hook):
         print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
 
 
+@HOOKS.register_module()
+class ShapeBucketsHook(Hook):
+    """Pad every training batch up to a multiple of ``size_divisor`` pixels per side: few distinct input shapes.
+
+    Random-resize pipelines give nearly every batch a shape of its own, and every new shape costs host time that
+    the step does not otherwise pay: cuDNN builds convolution plans per shape (on an H100, ~85 ms per step in fp32
+    and ~200 ms in bf16 for a ResNet-50 DETR), cuBLAS picks GEMM kernels per shape, the allocator grows new blocks.
+    With a divisor of 128 the DETR pipelines' batches fall into a few dozen shapes that are all seen early in a run.
+
+    The data preprocessor's ``pad_size_divisor`` (mmengine ``ImgDataPreprocessor``, mmdet ``DetDataPreprocessor``)
+    becomes the least common multiple of its own and ``size_divisor`` during training; validation and testing keep
+    the config's own. This is not an exact fast path: images are padded further, as mmdet pads every image but the
+    largest of a batch already (the DETR family masks padding in attention); the extra pixels cost FLOPs (about 15%
+    more pixels at the DETR pipelines' sizes with 128) and change border features of the padded images slightly.
+
+    Args:
+        size_divisor (int): pad the training batch's height and width to a multiple of this (>= 1).
+    """
+
+    priority = "VERY_HIGH"
+
+    def __init__(self, size_divisor: int = 128):
+        if isinstance(size_divisor, bool) or not isinstance(size_divisor, int) or size_divisor < 1:
+            raise ValueError(f"ShapeBucketsHook: size_divisor must be an int >= 1, got {size_divisor!r}")
+        self.size_divisor = size_divisor
+        self._eval_divisor: Optional[int] = None
+
+    @staticmethod
+    def _preprocessor(runner):
+        model = getattr(runner.model, "module", runner.model)
+        preprocessor = getattr(model, "data_preprocessor", None)
+        if not isinstance(getattr(preprocessor, "pad_size_divisor", None), int):
+            raise TypeError(f"ShapeBucketsHook needs a data preprocessor with an int pad_size_divisor (mmengine's "
+                            f"ImgDataPreprocessor, mmdet's DetDataPreprocessor); this model has "
+                            f"{type(preprocessor).__name__}")
+        return preprocessor
+
+    def _set(self, runner, training: bool) -> None:
+        preprocessor = self._preprocessor(runner)
+        if self._eval_divisor is None:
+            self._eval_divisor = preprocessor.pad_size_divisor
+        preprocessor.pad_size_divisor = (math.lcm(self._eval_divisor, self.size_divisor) if training
+                                         else self._eval_divisor)
+
+    def before_train(self, runner) -> None:
+        self._set(runner, training=True)
+        print_log(f"ShapeBucketsHook: training batches padded to multiples of "
+                  f"{self._preprocessor(runner).pad_size_divisor} px (evaluation: {self._eval_divisor})",
+                  logger="current")
+
+    def before_val_epoch(self, runner) -> None:
+        self._set(runner, training=False)
+
+    def after_val_epoch(self, runner, metrics=None) -> None:
+        self._set(runner, training=True)
+
+    def before_test_epoch(self, runner) -> None:
+        self._set(runner, training=False)
+
+    def after_train(self, runner) -> None:
+        self._set(runner, training=False)
+
+
 def fast_path_switches_from_config(cfg) -> dict:
     """The switches a config's ``custom_hooks`` give :class:`FastPathsHook` ({} when it has none)."""
     switches = {}
@@ -58,6 +122,14 @@ def fast_path_switches_from_config(cfg) -> dict:
         if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
             switches.update({k: bool(v) for k, v in hook_cfg.items() if k not in ("type", "priority")})
     return switches
+
+
+def training_size_divisor_from_config(cfg) -> Optional[int]:
+    """The ``size_divisor`` of a config's :class:`ShapeBucketsHook` (None when it has none)."""
+    for hook_cfg in cfg.get("custom_hooks", None) or []:
+        if hook_cfg.get("type") in ("ShapeBucketsHook", ShapeBucketsHook):
+            return int(hook_cfg.get("size_divisor", 128))
+    return None
 
 
 @HOOKS.register_module()

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import cv2
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.detector import coco_source, train_overlay, user_path
 from benchmarks.detector.iteration_timer import IterationTimerHook
@@ -143,6 +144,8 @@ def test_our_overlay_keeps_the_plugin_pieces(tmp_path, source):
     assert cfg.custom_imports.imports == ["deform_plugin", "deform_plugin.engine", user_path.TIMER_MODULE]
     assert [hook.type for hook in cfg.custom_hooks] == ["FastPathsHook", user_path.TIMER_HOOK]
     assert cfg.custom_hooks[0] == base.custom_hooks[0] and cfg.custom_hooks[1].expect_plugin is True
+    _, ddetr = merged_overlay(tmp_path, FAST_DDETR, "ours:bf16", source)
+    assert [hook.type for hook in ddetr.custom_hooks] == ["FastPathsHook", "ShapeBucketsHook", user_path.TIMER_HOOK]
     assert cfg.optim_wrapper == base.optim_wrapper
     assert cfg.optim_wrapper.constructor == train_overlay.MERGED_CONSTRUCTOR
     assert cfg.train_dataloader.dataset.pipeline == base.train_dataloader.dataset.pipeline
@@ -242,6 +245,24 @@ def test_timer_counts_our_compiles_and_checks_the_plugin(tmp_path):
     stock_hook = IterationTimerHook(windows=[(1, 1)], expect_plugin=False, clock=FakeClock())
     with pytest.raises(RuntimeError, match="must stay stock"):
         stock_hook.before_train(SimpleNamespace(iter=0))
+
+
+def test_timer_counts_padded_batch_shapes_and_pixels(tmp_path):
+    model, wrapper = torch.nn.Module(), torch.nn.Module()  # the wrapper stands for DDP's
+    model.data_preprocessor = SimpleNamespace(pad_size_divisor=32)
+    wrapper.module = model
+    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=wrapper, optim_wrapper=None)
+    hook = IterationTimerHook(windows=[(1, 3)], warmup_iters=1, out_file=str(tmp_path / "t.json"), clock=FakeClock())
+    sizes = [[(40, 60), (30, 70)], [(64, 64), (50, 50)], [(33, 65), (10, 10)]]  # padded: 64x96, 64x64, 64x96
+    hook.before_train(runner)
+    for batch_idx, batch in enumerate(sizes):
+        images = [torch.zeros(3, h, w, dtype=torch.uint8) for h, w in batch]
+        hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=images))
+    hook.after_train(runner)
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert (result["batch_shapes"], result["batch_shapes_after_warmup"]) == (2, 1)
+    image_pixels = sum(h * w for batch in sizes for h, w in batch)
+    assert result["padded_over_image_pixels"] == pytest.approx(2 * (64 * 96 + 64 * 64 + 64 * 96) / image_pixels)
 
 
 def test_timer_rejects_bad_windows():

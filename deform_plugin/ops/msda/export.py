@@ -65,6 +65,20 @@ def _level_tables(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
     return shapes, starts
 
 
+def _bilinear_zeros_grid_sample(level_map: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
+    """``F.grid_sample(..., mode='bilinear', padding_mode='zeros', align_corners=False)``.
+
+    Under torch.export the 2-d sampler is called directly: ``F.grid_sample``'s dispatcher first asks whether cuDNN's
+    sampler could take a CUDA input, and that question (does the map have fewer than 2**31 elements) is a guard on
+    the data-dependent level sizes that torch.export cannot decide (torch 2.11). The direct call is the kernel the
+    dispatcher picks anyway (cuDNN's needs ``align_corners=True``), and the ONNX exporter translates it to the same
+    ``GridSample``. The TorchScript exporter only translates ``grid_sample`` itself.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops.aten.grid_sampler_2d(level_map, grid, 0, 0, False)  # bilinear, zeros, align_corners
+    return F.grid_sample(level_map, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
 def multi_scale_deformable_attn_export(value: torch.Tensor, spatial_shapes: torch.Tensor,
                                        level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
                                        attention_weights: torch.Tensor) -> torch.Tensor:
@@ -97,8 +111,7 @@ def multi_scale_deformable_attn_export(value: torch.Tensor, spatial_shapes: torc
         # (B, h*w, H, D) -> (B*H, D, h, w): the level's map for each (image, head).
         level_map = value.narrow(1, start, height * width).to(dtype).permute(0, 2, 3, 1)
         level_map = level_map.reshape(rows, head_dim, height, width)
-        sampled.append(F.grid_sample(level_map, grid[:, :, level], mode="bilinear", padding_mode="zeros",
-                                     align_corners=False))  # (B*H, D, Q, P)
+        sampled.append(_bilinear_zeros_grid_sample(level_map, grid[:, :, level]))  # (B*H, D, Q, P)
     # (B*H, D, Q, L*P) weighted by (B*H, 1, Q, L*P), summed over levels and points.
     sampled = torch.cat(sampled, dim=-1)
     weights = attention_weights.to(dtype).permute(0, 2, 1, 3, 4).reshape(rows, 1, num_queries,

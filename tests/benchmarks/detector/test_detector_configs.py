@@ -105,3 +105,29 @@ def test_shape_problems_without_fixed_padding():
     cfg = read_config(str(ROOT / "configs" / "dino" / "dino-4scale_r50_8xb2-12e_coco_deform-plugin.py"))
     assert shape_problems(cfg, (800, 1333)) == [] and shape_problems(cfg, (37, 2001)) == []
     assert shape_problems(cfg, (0, 10)) == ["0x10 is not an image size"]
+
+
+@pytest.mark.parametrize("fast, expected", [
+    ("config", 128),  # the fast config's ShapeBucketsHook
+    ("none", None),
+    ("all", None),  # every exact fast path: the padding is not one
+    ("sdpa+buckets", 128),
+    ("sdpa", None),
+])
+def test_rows_take_the_training_buckets_from_the_config_or_their_fast_choice(fast, expected):
+    from benchmarks.detector.configs import load_config, resolve_fast_paths
+    from benchmarks.detector.rows import parse_row
+    cfg = load_config(str(ROOT / "configs" / "fast" / "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"), None,
+                      plugin=True)
+    switches = resolve_fast_paths(cfg, parse_row(f"pytorch:fp32:{fast}"))
+    assert switches.get("shape_buckets") == expected
+    assert resolve_fast_paths(cfg, parse_row("stock:fp32")) == {}
+
+
+def test_variable_sizes_follow_the_detr_random_resize():
+    from benchmarks.detector.synthetic import LONG_SIDE_MAX, SHORT_SIDES, random_resize_sizes
+    sizes = random_resize_sizes(200, seed=0)
+    assert sizes == random_resize_sizes(200, seed=0) and len(set(sizes)) > 20
+    for height, width in sizes:
+        assert max(height, width) <= LONG_SIDE_MAX + 1
+        assert min(height, width) in SHORT_SIDES or max(height, width) >= LONG_SIDE_MAX - 1

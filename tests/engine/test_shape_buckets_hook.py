@@ -1,0 +1,76 @@
+"""ShapeBucketsHook pads training batches to its divisor and leaves evaluation at the config's own padding."""
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
+from deform_plugin.engine import ShapeBucketsHook, training_size_divisor_from_config
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _detector_with_preprocessor(pad_size_divisor: int) -> nn.Module:
+    from mmdet.models.data_preprocessors import DetDataPreprocessor
+    model = nn.Module()
+    model.data_preprocessor = DetDataPreprocessor(mean=[0.0, 0.0, 0.0], std=[1.0, 1.0, 1.0],
+                                                  pad_size_divisor=pad_size_divisor)
+    return model
+
+
+def _preprocessed_shape(model, training: bool):
+    from mmdet.structures import DetDataSample
+    images = [torch.zeros(3, 100, 150, dtype=torch.uint8), torch.zeros(3, 90, 161, dtype=torch.uint8)]
+    samples = [DetDataSample(metainfo=dict(img_shape=tuple(i.shape[1:]))) for i in images]
+    out = model.data_preprocessor(dict(inputs=images, data_samples=samples), training=training)
+    assert all(s.batch_input_shape == tuple(out["inputs"].shape[-2:]) for s in out["data_samples"])
+    return tuple(out["inputs"].shape[-2:])
+
+
+def test_training_batches_pad_to_the_divisor_and_evaluation_keeps_its_own():
+    model = _detector_with_preprocessor(pad_size_divisor=1)
+    runner = SimpleNamespace(model=model)
+    hook = ShapeBucketsHook(size_divisor=128)
+    assert _preprocessed_shape(model, training=True) == (100, 161)  # mmdet's own: the largest image
+    hook.before_train(runner)
+    assert _preprocessed_shape(model, training=True) == (128, 256)
+    hook.before_val_epoch(runner)
+    assert _preprocessed_shape(model, training=False) == (100, 161)
+    hook.after_val_epoch(runner)
+    assert _preprocessed_shape(model, training=True) == (128, 256)
+    hook.before_test_epoch(runner)
+    assert model.data_preprocessor.pad_size_divisor == 1
+    hook.after_train(runner)
+    assert model.data_preprocessor.pad_size_divisor == 1
+
+
+def test_the_config_divisor_is_kept_as_a_factor_and_ddp_models_are_unwrapped():
+    model = _detector_with_preprocessor(pad_size_divisor=32)
+    hook = ShapeBucketsHook(size_divisor=48)
+    hook.before_train(SimpleNamespace(model=SimpleNamespace(module=model)))
+    assert model.data_preprocessor.pad_size_divisor == 96  # lcm(32, 48)
+    assert _preprocessed_shape(model, training=True) == (192, 192)
+
+
+@pytest.mark.parametrize("bad", [0, -128, 1.5, True, "128"])
+def test_bad_divisors_are_refused_by_value(bad):
+    with pytest.raises(ValueError, match=f"size_divisor must be an int >= 1, got {bad!r}"):
+        ShapeBucketsHook(size_divisor=bad)
+
+
+def test_a_model_without_a_padding_preprocessor_is_refused():
+    with pytest.raises(TypeError, match="pad_size_divisor.*this model has Module"):
+        ShapeBucketsHook().before_train(SimpleNamespace(model=SimpleNamespace(data_preprocessor=nn.Module())))
+
+
+@pytest.mark.parametrize("name, divisor", [
+    ("deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py", 128),
+    ("dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py", 128),
+    ("mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py", None),  # LSJ: one fixed 1024x1024 shape already
+])
+def test_fast_configs_bucket_the_random_resize_pipelines(name, divisor):
+    from mmengine.config import Config
+    cfg = Config.fromfile(os.path.join(REPO_ROOT, "configs", "fast", name), import_custom_modules=False)
+    assert training_size_divisor_from_config(cfg) == divisor
