@@ -10,10 +10,11 @@
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
 #   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and a step profile.
 #   profile   the step profile alone (stock fp32, ours bf16 without and with the config's fast paths).
+#   sizes     training steps at new and at seen random-resize sizes (tools/benchmark.py --variable-sizes).
 # It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
 # to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale [OUT]}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale|profile|sizes [OUT]}
 out=${2:-${OUT:-bench_results/gpu}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -145,6 +146,17 @@ profile)
       --rows stock:fp32 triton:bf16:none triton:bf16:config --profile-steps 3 --no-progress \
       --out-dir "$results" --name profile > "$results/profile.log" 2>&1
   tail -20 "$results/profile.log"
+  ;;
+sizes)
+  # The cost of a new input size: training steps at random-resize sizes, each first new, then seen (benchmark.py
+  # --variable-sizes); all = every exact fast path, config = the fast config (with its ShapeBucketsHook padding).
+  wait_for_mmcv
+  on_gpu 0 with_full timeout $(left) python3 tools/benchmark.py \
+      configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
+      --rows stock:fp32 triton:fp32:all triton:fp32:config triton:bf16:all triton:bf16:config --warmup 3 --steps 5 \
+      --variable-sizes 16 --inference-steps 0 --no-progress --out-dir "$results" --name sizes \
+      > "$results/sizes.log" 2>&1
+  tail -22 "$results/sizes.log"
   ;;
 *)
   echo "unknown phase $phase" >&2; exit 2;;
