@@ -10,11 +10,12 @@
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
 #   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and a step profile.
 #   profile   the step profile alone (stock fp32, ours bf16 without and with the config's fast paths).
+#   build     mmcv's CUDA ops only (the stock baseline), for the phases after it on the same host.
 #   sizes     training steps at new and at seen random-resize sizes (tools/benchmark.py --variable-sizes).
 # It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
 # to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale|profile|sizes [OUT]}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale|profile|build|sizes [OUT]}
 out=${2:-${OUT:-bench_results/gpu}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -84,7 +85,7 @@ tests)
   ;;
 train)
   # TRAIN_CONFIGS picks the configs (default all three) and INFERENCE=0 skips the batch-1 inference rows, so that
-  # one GPU can run the phase in pieces of under 10 minutes.
+  # one GPU can run the phase in pieces of under 10 minutes; TRAIN_ITERS (default 100) lengthens the runs.
   wait_for_mmcv
   rows="stock:fp32 ours:fp32 ours:bf16"
   declare -A config_of=(
@@ -93,7 +94,8 @@ train)
     [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py)
   run_train() {  # GPU NAME
     on_gpu "$1" with_full timeout $(left) python3 tools/benchmark_train.py "${config_of[$2]}" --rows $rows \
-        --iters 100 --batch-size 2 --workers 4 --out-dir "$results/train_$2" > "$results/train_$2.log" 2>&1
+        --iters ${TRAIN_ITERS:-100} --batch-size 2 --workers 4 --out-dir "$results/train_$2" \
+        > "$results/train_$2.log" 2>&1
     tail -12 "$results/train_$2.log"
   }
   names=(${TRAIN_CONFIGS:-ddetr dino mask2former})
@@ -146,6 +148,9 @@ profile)
       --rows stock:fp32 triton:bf16:none triton:bf16:config --profile-steps 3 --no-progress \
       --out-dir "$results" --name profile > "$results/profile.log" 2>&1
   tail -20 "$results/profile.log"
+  ;;
+build)
+  wait_for_mmcv  # only the stock baseline's build, so that later phases of a fresh host start timing at once
   ;;
 sizes)
   # The cost of a new input size: training steps at random-resize sizes, each first new, then seen (benchmark.py
