@@ -85,9 +85,10 @@ def time_variable_sizes(model, optim_wrapper, batches, device, show_progress: bo
         passes[name] = dict(summarize_ms(times), img_per_s=images / sum(times), total_s=sum(times))
     passes["new_size_cost_ms"] = (passes["new_sizes"]["total_s"] - passes["seen_sizes"]["total_s"]) * 1e3 / len(
         batches)
-    padded = [tuple(max(image.shape[-2 + axis] for image in batch["inputs"]) for axis in range(2))
-              for batch in batches]
-    passes["distinct_batch_shapes"] = len(set(padded))
+    divisor = max(int(getattr(model.data_preprocessor, "pad_size_divisor", 1)), 1)
+    padded = [tuple(-(-max(image.shape[-2 + axis] for image in batch["inputs"]) // divisor) * divisor
+                    for axis in range(2)) for batch in batches]
+    passes["distinct_batch_shapes"] = len(set(padded))  # as the data preprocessor pads them
     return passes
 
 

@@ -131,3 +131,32 @@ def test_variable_sizes_follow_the_detr_random_resize():
     for height, width in sizes:
         assert max(height, width) <= LONG_SIDE_MAX + 1
         assert min(height, width) in SHORT_SIDES or max(height, width) >= LONG_SIDE_MAX - 1
+
+
+def test_variable_size_timing_runs_every_batch_twice_and_counts_padded_shapes():
+    import torch
+
+    from benchmarks.detector.timing import time_variable_sizes
+
+    class Model:
+        data_preprocessor = SimpleNamespace(pad_size_divisor=128)
+
+        def __init__(self):
+            self.steps = []
+
+        def train(self):
+            pass
+
+        def train_step(self, batch, optim_wrapper):
+            self.steps.append(tuple(batch["inputs"][0].shape))
+
+    sizes = [[(500, 700), (480, 640)], [(600, 900), (400, 500)], [(510, 760), (500, 700)]]
+    batches = [{"inputs": [torch.zeros(3, h, w, dtype=torch.uint8) for h, w in batch]} for batch in sizes]
+    model = Model()
+    result = time_variable_sizes(model, None, batches, torch.device("cpu"), False, "test")
+    assert model.steps == [(3, 500, 700), (3, 600, 900), (3, 510, 760)] * 2
+    assert result["distinct_batch_shapes"] == 2  # 512x768 (twice) and 640x1024 at a divisor of 128
+    for name in ("new_sizes", "seen_sizes"):
+        assert result[name]["n"] == 3 and result[name]["img_per_s"] > 0
+    assert result["new_size_cost_ms"] == pytest.approx(
+        (result["new_sizes"]["total_s"] - result["seen_sizes"]["total_s"]) * 1e3 / 3)
