@@ -21,7 +21,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
-              "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib", "speedup", "amp_dtype", "iters", "batch_size", "workers")
+              "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib",
+              "speedup", "amp_dtype", "iters", "batch_size", "workers")
 
 
 def package_version(*names: str) -> str:
@@ -166,6 +167,11 @@ def write_reports(report: dict, out_dir: Path) -> str:
     text = markdown(report)
     (out_dir / f"{REPORT_NAME}.md").write_text(text)
     csv_path = out_dir / f"{REPORT_NAME}.csv"
+    if csv_path.exists():
+        with open(csv_path, newline="") as handle:
+            header = next(csv.reader(handle), None)
+        if header != list(CSV_FIELDS):  # written by another version: keep it aside rather than misalign columns
+            csv_path.replace(out_dir / f"{REPORT_NAME}.{datetime.datetime.now():%Y%m%d-%H%M%S}.older-columns.csv")
     new_file = not csv_path.exists()
     common = dict(timestamp=report["timestamp"], commit=report["machine"]["commit"],
                   device=report["machine"]["device"], **{k: report["settings"][k]

@@ -307,3 +307,23 @@ def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
     assert ours[-2:] == ["--launcher", "pytorch"] and "--amp-dtype" in ours
     stock = user_path.row_command(user_path.parse_row("stock:fp32"), tmp_path / "o.py", tmp_path / "w", gpus=2)
     assert stock[5:7] == ["-m", user_path.STOCK_LAUNCHER] and stock[-2:] == ["--launcher", "pytorch"]
+
+
+def test_the_csv_appends_rows_and_sets_a_file_of_other_columns_aside(tmp_path):
+    from benchmarks.detector import train_report
+    windows = dict(first=(1, 1), all=(1, 3), steady=(2, 3))
+    row = train_report.row_metrics(dict(config="c.py", row="ours:fp32", status="ok"), windows)
+    row.update(steady_img_s=1.5, batch_shapes=4)
+    machine = dict(device="cpu", cuda=None, torch="torch ?", triton="triton ?", mmcv="mmcv ?", mmengine="mmengine ?",
+                   mmdet="mmdet ?", python="3", commit="abc")
+    report = dict(timestamp="2026-11-26T12:00:00", machine=machine, rows=[row], results=[],
+                  settings=dict(iters=3, batch_size=2, workers=1, windows={k: list(v) for k, v in windows.items()}),
+                  source=dict(images=4, seed=0))
+    (tmp_path / "train_benchmark.csv").write_text("timestamp,row,img_s\n2026-01-01,stock:fp32,1.0\n")
+    train_report.write_reports(report, tmp_path)
+    train_report.write_reports(report, tmp_path)
+    with open(tmp_path / "train_benchmark.csv") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["row"], r["steady_img_s"], r["batch_shapes"]) for r in rows] == [("ours:fp32", "1.5", "4")] * 2
+    older = list(tmp_path.glob("train_benchmark.*.older-columns.csv"))
+    assert len(older) == 1 and "stock:fp32,1.0" in older[0].read_text()
