@@ -34,7 +34,8 @@ class FastPathsHook(Hook):
         sync_free_forward (bool): Deformable-DETR's and DINO's forward without host syncs (level tables made on the
             host, the host's sizes walked instead of the device's).
         batched_losses (bool): every decoder layer's DETR loss (focal, L1, GIoU) of a step in one pass over all
-            layers, from the assignments solved ahead (turns ``batched_matching`` on too).
+            layers, from the assignments solved ahead (turns ``batched_matching`` on too); DINO's denoising losses
+            in one pass as well.
     """
 
     priority = "VERY_HIGH"

@@ -311,6 +311,10 @@ def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monke
     per_layer_targets = []
     targets_single = fast_head._get_targets_single
     fast_head._get_targets_single = lambda *a, **k: per_layer_targets.append(1) or targets_single(*a, **k)
+    per_layer_denoising = []
+    if kind == "dino":
+        dn_single = fast_head._loss_dn_single
+        fast_head._loss_dn_single = lambda *a, **k: per_layer_denoising.append(1) or dn_single(*a, **k)
     inputs = _loss_inputs(kind, num_gts)
     stock, stock_grads = _losses_and_gradients(stock_head, inputs)
     fast, fast_grads = _losses_and_gradients(fast_head, inputs)
@@ -324,6 +328,8 @@ def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monke
     # The decoder layers in one pass, the encoder's proposals in another (Deformable-DETR's against class-0 gts).
     assert passes == [3, 1]
     assert per_layer_targets == []  # no layer fell back to the per-layer path
+    # DINO's denoising losses in one pass too; without any gt there are no denoising queries, and stock runs.
+    assert len(per_layer_denoising) == (3 if kind == "dino" and max(num_gts) == 0 else 0)
     assert fast_head.losses_ahead == {}  # nothing outlives the step
 
 

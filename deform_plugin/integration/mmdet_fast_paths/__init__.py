@@ -9,8 +9,8 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
 - ``hungarian_host_syncs`` and ``batched_matching`` (:mod:`.matching`): matching with fewer syncs, and all of a
   step's matching in one pass;
 - ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
-- ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass (needs the matching solved
-  ahead: turns ``batched_matching`` on too);
+- ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass, DINO's denoising losses too
+  (needs the matching solved ahead: turns ``batched_matching`` on too);
 - ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs.
 
 All but the first replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.

@@ -20,6 +20,8 @@ proposals, another head) runs as before.
 
 The two-stage Deformable-DETR's encoder loss matches the proposals against the gts relabelled as class 0 (a copy
 made inside ``loss_by_feat``); the pass makes the same relabelled copy, solves and computes that loss ahead too.
+DINO's denoising losses need no matching (their targets come from the gts and the denoising layout): its
+``loss_dn`` builds them once and computes every layer's losses in one pass (:func:`denoising_layer_losses`).
 """
 from __future__ import annotations
 
@@ -219,9 +221,95 @@ def _loss_by_feat_single_from_ahead(head):
     return loss_by_feat_single_from_ahead
 
 
+def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_instances,
+                           batch_img_metas, dn_meta) -> Optional[Tuple[List[torch.Tensor], ...]]:
+    """DINO's ``loss_dn``: ``([loss_cls], [loss_bbox], [loss_iou])`` of every layer of the denoising ``scores``
+    ``(L, B, Qdn, C)`` and ``bbox_preds`` ``(L, B, Qdn, 4)`` in one pass; None where there are no denoising queries
+    (the caller then runs the stock calls).
+
+    The denoising targets depend on the gts and ``dn_meta`` only, not on the predictions: stock builds the same
+    targets once per layer; here ``get_dn_targets`` runs once. Each element is stock's formula, the per-layer sums
+    run over a ``(layers, ...)`` view, and the box normaliser stays on the host (stock's ``.item()`` per layer)."""
+    from mmdet.models.losses.iou_loss import giou_loss
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
+    from mmdet.utils import reduce_mean
+
+    num_layers, batch, num_queries, num_classes = scores.shape
+    if num_layers == 0 or batch * num_queries == 0:
+        return None
+    (labels_list, label_weights_list, bbox_targets_list, bbox_weights_list, num_pos,
+     num_neg) = head.get_dn_targets(batch_gt_instances, batch_img_metas, dn_meta)
+    labels = torch.cat(labels_list, 0)
+    label_weights = torch.cat(label_weights_list, 0)
+    bbox_targets = torch.cat(bbox_targets_list, 0).view(batch, num_queries, 4)
+    bbox_weights = torch.cat(bbox_weights_list, 0).view(batch, num_queries, 4)
+    device = scores.device
+
+    cls_avg = num_pos * 1.0 + num_neg * head.bg_cls_weight
+    cls_elements = head.loss_cls(scores.reshape(-1, num_classes), labels.repeat(num_layers),
+                                 label_weights.repeat(num_layers), reduction_override="none")
+    cls_sums = cls_elements.reshape(num_layers, -1).sum(1)
+
+    sizes = torch.tensor([[meta["img_shape"][1], meta["img_shape"][0]] * 2 for meta in batch_img_metas],
+                         dtype=bbox_preds.dtype)
+    image_factors = _to_device_without_blocking(sizes, device)[None, :, None]  # (1, B, 1, 4): w, h, w, h
+    pixel_preds = (bbox_cxcywh_to_xyxy(bbox_preds) * image_factors).reshape(-1, 4)
+    pixel_targets = (bbox_cxcywh_to_xyxy(bbox_targets)[None] * image_factors).expand(num_layers, -1, -1, -1)
+    iou_weights = bbox_weights.mean(-1)  # GIoULoss averages a (N, 4) weight over its last dimension
+    iou_elements = giou_loss(pixel_preds, pixel_targets.reshape(-1, 4), eps=head.loss_iou.eps, reduction="none")
+    iou_sums = head.loss_iou.loss_weight * (iou_elements.reshape(num_layers, batch, num_queries)
+                                            * iou_weights).reshape(num_layers, -1).sum(1)
+    l1_sums = head.loss_bbox.loss_weight * (torch.abs(bbox_preds - bbox_targets) * bbox_weights).reshape(
+        num_layers, -1).sum(1)
+
+    if _distributed():
+        counts = scores.new_tensor([cls_avg, num_pos], dtype=torch.float64)
+        cls_avg_t, num_pos_t = reduce_mean(counts).clamp(min=1)
+        if not head.sync_cls_avg_factor:
+            cls_avg_t = scores.new_tensor(max(cls_avg, 1), dtype=torch.float64)
+        loss_cls = cls_sums / (cls_avg_t + _AVG_FACTOR_EPS)
+        loss_bbox = l1_sums / (num_pos_t + _AVG_FACTOR_EPS)
+        loss_iou = iou_sums / (num_pos_t + _AVG_FACTOR_EPS)
+    else:
+        divisors = torch.tensor([max(cls_avg, 1) + _AVG_FACTOR_EPS, max(num_pos, 1) + _AVG_FACTOR_EPS],
+                                dtype=torch.float64)
+        divisors = _to_device_without_blocking(divisors.to(cls_sums.dtype), device)
+        loss_cls = cls_sums / divisors[0]
+        loss_bbox = l1_sums / divisors[1]
+        loss_iou = iou_sums / divisors[1]
+    # Stock shapes: loss_cls takes its normaliser's (a 1-element tensor under sync_cls_avg_factor unless max(., 1)
+    # picked the Python 1); the box losses are divided by a Python float (stock's .item()).
+    cls_keeps_dim = head.sync_cls_avg_factor and (_distributed() or cls_avg >= 1)
+    return ([loss_cls[layer:layer + 1] if cls_keeps_dim else loss_cls[layer] for layer in range(num_layers)],
+            [loss_bbox[layer] for layer in range(num_layers)], [loss_iou[layer] for layer in range(num_layers)])
+
+
+def _batched_loss_dn(head):
+    """``head.loss_dn`` computing every layer's denoising losses in one pass, else as before."""
+    loss_dn = head.loss_dn
+
+    def batched_loss_dn(all_layers_denoising_cls_scores, all_layers_denoising_bbox_preds, batch_gt_instances,
+                        batch_img_metas, dn_meta):
+        losses = denoising_layer_losses(head, all_layers_denoising_cls_scores, all_layers_denoising_bbox_preds,
+                                        batch_gt_instances, batch_img_metas, dn_meta)
+        if losses is None:
+            return loss_dn(all_layers_denoising_cls_scores, all_layers_denoising_bbox_preds, batch_gt_instances,
+                           batch_img_metas, dn_meta)
+        return losses
+
+    return batched_loss_dn
+
+
+def _stock_denoising_losses(head) -> bool:
+    from mmdet.models.dense_heads import DINOHead
+    return isinstance(head, DINOHead) and all(getattr(type(head), name) is getattr(DINOHead, name) for name in (
+        "loss_dn", "_loss_dn_single", "get_dn_targets", "_get_dn_targets_single"))
+
+
 def enable_batched_losses(head) -> bool:
-    """Give one head whose matching is solved ahead (``batched_matching``) the batched per-layer losses; False if
-    its losses are not the stock modules this pass reproduces, or it has them already."""
+    """Give one head whose matching is solved ahead (``batched_matching``) the batched per-layer losses (and
+    DINO's denoising losses in one pass); False if its losses are not the stock modules this pass reproduces, or
+    it has them already."""
     if not batchable_head(head) or "prepare_layer_losses" in vars(head):
         return False
 
@@ -230,4 +318,6 @@ def enable_batched_losses(head) -> bool:
 
     head.loss_by_feat_single = _loss_by_feat_single_from_ahead(head)
     head.prepare_layer_losses = prepare_layer_losses
+    if _stock_denoising_losses(head):
+        head.loss_dn = _batched_loss_dn(head)
     return True
