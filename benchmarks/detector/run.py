@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -132,9 +131,10 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
                            "fused": bool(optimizer.defaults.get("fused")),
                            "foreach": optimizer.defaults.get("foreach")}
     eval_divisor = model.data_preprocessor.pad_size_divisor
-    # As ShapeBucketsHook does in the Runner: training batches only.
-    train_divisor = math.lcm(eval_divisor, bucket_divisor) if bucket_divisor else eval_divisor
-    if bucket_divisor:
+    train_divisor = eval_divisor
+    if bucket_divisor:  # as ShapeBucketsHook does in the Runner: training batches only
+        from deform_plugin.engine import ShapeBucketsHook
+        train_divisor = ShapeBucketsHook.training_divisor(eval_divisor, bucket_divisor)
         result["fast_path_sites"]["shape_buckets"] = train_divisor
     model.data_preprocessor.pad_size_divisor = train_divisor
     height, width = shape

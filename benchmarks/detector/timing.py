@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.common import peak_memory_mb, reset_peak_memory, summarize_ms
 from benchmarks.detector.configs import autocast_for
+from benchmarks.detector.iteration_timer import padded_batch_shape
 
 
 def synchronize(device: torch.device) -> None:
@@ -85,10 +86,8 @@ def time_variable_sizes(model, optim_wrapper, batches, device, show_progress: bo
         passes[name] = dict(summarize_ms(times), img_per_s=images / sum(times), total_s=sum(times))
     passes["new_size_cost_ms"] = (passes["new_sizes"]["total_s"] - passes["seen_sizes"]["total_s"]) * 1e3 / len(
         batches)
-    divisor = max(int(getattr(model.data_preprocessor, "pad_size_divisor", 1)), 1)
-    padded = [tuple(-(-max(image.shape[-2 + axis] for image in batch["inputs"]) // divisor) * divisor
-                    for axis in range(2)) for batch in batches]
-    passes["distinct_batch_shapes"] = len(set(padded))  # as the data preprocessor pads them
+    divisor = getattr(model.data_preprocessor, "pad_size_divisor", 1)
+    passes["distinct_batch_shapes"] = len({padded_batch_shape(batch, divisor)[0] for batch in batches})
     return passes
 
 

@@ -90,11 +90,16 @@ class ShapeBucketsHook(Hook):
                             f"{type(preprocessor).__name__}")
         return preprocessor
 
+    @staticmethod
+    def training_divisor(config_divisor: int, size_divisor: int) -> int:
+        """The training batch's padding divisor: a multiple of the config's own and of ``size_divisor``."""
+        return math.lcm(config_divisor, size_divisor)
+
     def _set(self, runner, training: bool) -> None:
         preprocessor = self._preprocessor(runner)
         if self._eval_divisor is None:
             self._eval_divisor = preprocessor.pad_size_divisor
-        preprocessor.pad_size_divisor = (math.lcm(self._eval_divisor, self.size_divisor) if training
+        preprocessor.pad_size_divisor = (self.training_divisor(self._eval_divisor, self.size_divisor) if training
                                          else self._eval_divisor)
 
     def before_train(self, runner) -> None:

@@ -85,6 +85,13 @@ def _host_gt_inds(solved: Dict, scores: torch.Tensor, batch_gt_instances) -> Opt
     return gt_inds
 
 
+def _image_factors(batch_img_metas, bbox_preds: torch.Tensor) -> torch.Tensor:
+    """``(B, 4)`` (w, h, w, h) of each image, the factors stock builds per image with ``new_tensor``."""
+    sizes = torch.tensor([[meta["img_shape"][1], meta["img_shape"][0]] * 2 for meta in batch_img_metas],
+                         dtype=bbox_preds.dtype)
+    return _to_device_without_blocking(sizes, bbox_preds.device)
+
+
 def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_instances, batch_img_metas,
                  solved: Dict) -> Optional[List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """``loss_by_feat_single``'s ``(loss_cls, loss_bbox, loss_iou)`` of every layer of ``scores`` ``(L, B, Q, C)``
@@ -92,7 +99,6 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     is missing (the caller then runs the stock per-layer calls)."""
     from mmdet.models.losses.iou_loss import giou_loss
     from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
-    from mmdet.utils import reduce_mean
 
     host_gt_inds = _host_gt_inds(solved, scores, batch_gt_instances)
     if host_gt_inds is None:
@@ -102,9 +108,7 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     num_pos = (host_gt_inds > 0).reshape(num_layers, -1).sum(1)
     num_neg = (host_gt_inds == 0).reshape(num_layers, -1).sum(1)
 
-    sizes = torch.tensor([[meta["img_shape"][1], meta["img_shape"][0]] * 2 for meta in batch_img_metas],
-                         dtype=bbox_preds.dtype)
-    factors = _to_device_without_blocking(sizes, device)  # (B, 4): w, h, w, h
+    factors = _image_factors(batch_img_metas, bbox_preds)  # (B, 4): w, h, w, h
     gt_dtype = batch_gt_instances[0].bboxes.dtype
     target_boxes, target_labels = _padded_targets(batch_gt_instances, factors, head.num_classes)
     rows = _to_device_without_blocking(torch.from_numpy(host_gt_inds), device)  # (L, B, Q) gt index per query
@@ -129,29 +133,39 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     l1_elements = torch.abs(bbox_preds - bbox_targets) * positive.unsqueeze(-1)
     l1_sums = head.loss_bbox.loss_weight * l1_elements.reshape(num_layers, -1).sum(1)
 
+    return _normalised(head, cls_sums, l1_sums, iou_sums, cls_avg, num_pos, box_keeps_dim=_distributed())
+
+
+def _normalised(head, cls_sums: torch.Tensor, l1_sums: torch.Tensor, iou_sums: torch.Tensor, cls_avg: np.ndarray,
+                num_pos: np.ndarray, box_keeps_dim: bool) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer ``(loss_cls, loss_bbox, loss_iou)``: each layer's sums divided by its normalisers as stock divides
+    them (``cls_avg`` and ``num_pos`` per layer, on the host), in stock's shapes; in distributed training the counts
+    are averaged over ranks in one all-reduce."""
+    from mmdet.utils import reduce_mean
+    num_layers = cls_sums.shape[0]
     if _distributed():
-        counts = scores.new_tensor(np.stack([cls_avg, num_pos]).astype(np.float64))
+        counts = cls_sums.new_tensor(np.stack([cls_avg, num_pos]).astype(np.float64))
         cls_avg_t, num_pos_t = reduce_mean(counts).clamp(min=1)
         if not head.sync_cls_avg_factor:
-            cls_avg_t = scores.new_tensor(np.maximum(cls_avg, 1).astype(np.float64))
+            cls_avg_t = cls_sums.new_tensor(np.maximum(cls_avg, 1).astype(np.float64))
         loss_cls = cls_sums / (cls_avg_t + _AVG_FACTOR_EPS)
         loss_bbox = l1_sums / (num_pos_t + _AVG_FACTOR_EPS)
         loss_iou = iou_sums / (num_pos_t + _AVG_FACTOR_EPS)
-        keep_dim = True
     else:
         cls_divisor = torch.from_numpy(np.maximum(cls_avg, 1).astype(np.float64) + _AVG_FACTOR_EPS)
         pos_divisor = torch.from_numpy(np.maximum(num_pos, 1).astype(np.float64) + _AVG_FACTOR_EPS)
-        divisors = _to_device_without_blocking(torch.stack([cls_divisor, pos_divisor]).to(cls_sums.dtype), device)
+        divisors = _to_device_without_blocking(torch.stack([cls_divisor, pos_divisor]).to(cls_sums.dtype),
+                                               cls_sums.device)
         loss_cls = cls_sums / divisors[0]
         loss_bbox = l1_sums / divisors[1]
         loss_iou = iou_sums / divisors[1]
-        keep_dim = False
     # Stock shapes: under sync_cls_avg_factor, loss_cls has the shape of its normaliser, a 1-element tensor unless
-    # ``max(normaliser, 1)`` picked the Python 1; 1-element box losses in distributed training.
-    cls_keeps_dim = [head.sync_cls_avg_factor and (keep_dim or cls_avg[layer] >= 1) for layer in range(num_layers)]
+    # ``max(normaliser, 1)`` picked the Python 1 (always a tensor in distributed training).
+    cls_keeps_dim = [head.sync_cls_avg_factor and (_distributed() or cls_avg[layer] >= 1)
+                     for layer in range(num_layers)]
     return [(loss_cls[layer:layer + 1] if cls_keeps_dim[layer] else loss_cls[layer],
-             loss_bbox[layer:layer + 1] if keep_dim else loss_bbox[layer],
-             loss_iou[layer:layer + 1] if keep_dim else loss_iou[layer]) for layer in range(num_layers)]
+             loss_bbox[layer:layer + 1] if box_keeps_dim else loss_bbox[layer],
+             loss_iou[layer:layer + 1] if box_keeps_dim else loss_iou[layer]) for layer in range(num_layers)]
 
 
 def solve_losses_ahead(head, prediction_sets: Sequence[Tuple[torch.Tensor, torch.Tensor]], arguments: dict,
@@ -232,7 +246,6 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     run over a ``(layers, ...)`` view, and the box normaliser stays on the host (stock's ``.item()`` per layer)."""
     from mmdet.models.losses.iou_loss import giou_loss
     from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
-    from mmdet.utils import reduce_mean
 
     num_layers, batch, num_queries, num_classes = scores.shape
     if num_layers == 0 or batch * num_queries == 0:
@@ -243,16 +256,13 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     label_weights = torch.cat(label_weights_list, 0)
     bbox_targets = torch.cat(bbox_targets_list, 0).view(batch, num_queries, 4)
     bbox_weights = torch.cat(bbox_weights_list, 0).view(batch, num_queries, 4)
-    device = scores.device
 
     cls_avg = num_pos * 1.0 + num_neg * head.bg_cls_weight
     cls_elements = head.loss_cls(scores.reshape(-1, num_classes), labels.repeat(num_layers),
                                  label_weights.repeat(num_layers), reduction_override="none")
     cls_sums = cls_elements.reshape(num_layers, -1).sum(1)
 
-    sizes = torch.tensor([[meta["img_shape"][1], meta["img_shape"][0]] * 2 for meta in batch_img_metas],
-                         dtype=bbox_preds.dtype)
-    image_factors = _to_device_without_blocking(sizes, device)[None, :, None]  # (1, B, 1, 4): w, h, w, h
+    image_factors = _image_factors(batch_img_metas, bbox_preds)[None, :, None]  # (1, B, 1, 4)
     pixel_preds = (bbox_cxcywh_to_xyxy(bbox_preds) * image_factors).reshape(-1, 4)
     pixel_targets = (bbox_cxcywh_to_xyxy(bbox_targets)[None] * image_factors).expand(num_layers, -1, -1, -1)
     iou_weights = bbox_weights.mean(-1)  # GIoULoss averages a (N, 4) weight over its last dimension
@@ -262,26 +272,10 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     l1_sums = head.loss_bbox.loss_weight * (torch.abs(bbox_preds - bbox_targets) * bbox_weights).reshape(
         num_layers, -1).sum(1)
 
-    if _distributed():
-        counts = scores.new_tensor([cls_avg, num_pos], dtype=torch.float64)
-        cls_avg_t, num_pos_t = reduce_mean(counts).clamp(min=1)
-        if not head.sync_cls_avg_factor:
-            cls_avg_t = scores.new_tensor(max(cls_avg, 1), dtype=torch.float64)
-        loss_cls = cls_sums / (cls_avg_t + _AVG_FACTOR_EPS)
-        loss_bbox = l1_sums / (num_pos_t + _AVG_FACTOR_EPS)
-        loss_iou = iou_sums / (num_pos_t + _AVG_FACTOR_EPS)
-    else:
-        divisors = torch.tensor([max(cls_avg, 1) + _AVG_FACTOR_EPS, max(num_pos, 1) + _AVG_FACTOR_EPS],
-                                dtype=torch.float64)
-        divisors = _to_device_without_blocking(divisors.to(cls_sums.dtype), device)
-        loss_cls = cls_sums / divisors[0]
-        loss_bbox = l1_sums / divisors[1]
-        loss_iou = iou_sums / divisors[1]
-    # Stock shapes: loss_cls takes its normaliser's (a 1-element tensor under sync_cls_avg_factor unless max(., 1)
-    # picked the Python 1); the box losses are divided by a Python float (stock's .item()).
-    cls_keeps_dim = head.sync_cls_avg_factor and (_distributed() or cls_avg >= 1)
-    return ([loss_cls[layer:layer + 1] if cls_keeps_dim else loss_cls[layer] for layer in range(num_layers)],
-            [loss_bbox[layer] for layer in range(num_layers)], [loss_iou[layer] for layer in range(num_layers)])
+    # Stock divides the box losses by a Python float (its .item()), so they are 0-dim in distributed training too.
+    per_layer = _normalised(head, cls_sums, l1_sums, iou_sums, np.full(num_layers, cls_avg),
+                            np.full(num_layers, num_pos), box_keeps_dim=False)
+    return tuple(list(losses) for losses in zip(*per_layer))
 
 
 def _batched_loss_dn(head):
