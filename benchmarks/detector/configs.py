@@ -26,7 +26,7 @@ PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWr
 # choice of a row turns on.
 FAST_PATH_SWITCHES = {"optim": (), "sdpa": ("sdpa_attention",), "matching": ("batched_matching",),
                       "losses": ("sync_free_losses",), "batched": ("batched_losses",),
-                      "forward": ("sync_free_forward",), "graph": ("graph_inference",),
+                      "forward": ("sync_free_forward",), "graph": ("graph_inference", "cuda_graphs"),
                       "buckets": ("shape_buckets",)}
 # ShapeBucketsHook's default, for rows that force the buckets on a config without the hook.
 DEFAULT_BUCKET_DIVISOR = 128

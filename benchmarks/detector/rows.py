@@ -7,7 +7,8 @@
     FAST     config (default: whatever the config selects) | none | all | a '+' list of
              optim (merged param groups + fused/foreach optimizer), sdpa (SDPA attention bricks),
              matching (batched Hungarian matching with fewer host syncs), losses (sync-free loss normalisers),
-             forward (sync-free forward), graph (inference rows: the forward captured in a CUDA graph)
+             forward (sync-free forward), graph (training: the forward and backward replayed from CUDA graphs per
+             input shape; inference rows: the forward captured in a CUDA graph)
 """
 from __future__ import annotations
 

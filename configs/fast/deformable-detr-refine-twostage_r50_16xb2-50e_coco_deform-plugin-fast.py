@@ -5,7 +5,8 @@
 #     interval, in one device-to-host copy (with --amp-dtype bfloat16, tools/train.py also drops the loss scaler);
 #   - FastPathsHook: decoder self-attention through PyTorch SDPA; every decoder layer's Hungarian matching in one
 #     pass with one copy to the host; every decoder layer's losses (and the encoder's) in one batched pass; the
-#     loss normalisers and the forward without host syncs.
+#     loss normalisers and the forward without host syncs; on CUDA, the network's training forward and backward
+#     replayed from CUDA graphs, one pair per input shape (cuda_graphs; dropout draws other random numbers).
 #   - ShapeBucketsHook (the one change that is not exact): training batches padded to multiples of 128 px, so
 #     that the random-resize pipeline yields a few dozen input shapes instead of a new one per batch, each
 #     of which costs cuDNN/cuBLAS plan selection (docs/whole_detector.md measures both sides).
@@ -18,5 +19,5 @@ custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], allow_f
 optim_wrapper = dict(type='SyncFreeOptimWrapper', constructor='MergedParamGroupsOptimWrapperConstructor')
 default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
-                     batched_losses=True, sync_free_forward=True),
+                     batched_losses=True, sync_free_forward=True, cuda_graphs=True),
                 dict(type='ShapeBucketsHook', size_divisor=128)]

@@ -7,5 +7,5 @@ custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], allow_f
 optim_wrapper = dict(type='SyncFreeOptimWrapper', constructor='MergedParamGroupsOptimWrapperConstructor')
 default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
-                     batched_losses=True, sync_free_forward=True),
+                     batched_losses=True, sync_free_forward=True, cuda_graphs=True),
                 dict(type='ShapeBucketsHook', size_divisor=128)]

@@ -11,7 +11,9 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
 - ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
 - ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass, DINO's denoising losses too
   (needs the matching solved ahead: turns ``batched_matching`` on too);
-- ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs.
+- ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs;
+- ``cuda_graphs`` (:mod:`.graphed_training`): their training forward and backward replayed from CUDA graphs, one
+  pair per input shape (needs the sync-free forward: turns it on too).
 
 All but the first replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.
 """
@@ -22,6 +24,7 @@ from typing import Dict
 from torch import nn
 
 from .batched_losses import enable_batched_losses
+from .graphed_training import enable_cuda_graphs
 from .loss_normalisation import enable_sync_free_losses
 from .matching import enable_batched_matching, enable_hungarian_host_syncs
 from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
@@ -30,7 +33,7 @@ from .sync_free_forward import enable_sync_free_forward
 # The mmdet release whose private DETRHead methods the copies in this package mirror line for line.
 MIRRORED_MMDET_VERSION = "3.3.0"
 FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses", "sync_free_forward",
-              "batched_losses")
+              "batched_losses", "cuda_graphs")
 
 __all__ = ["FAST_PATHS", "apply_fast_paths", "check_mirrored_mmdet_version", "disable_sdpa_attention",
            "enable_sdpa_attention", "sdpa_multihead_attention_class"]
@@ -48,13 +51,15 @@ def check_mirrored_mmdet_version(switch: str) -> None:
 
 def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
                      batched_matching: bool = False, sync_free_losses: bool = False,
-                     sync_free_forward: bool = False, batched_losses: bool = False) -> Dict[str, int]:
+                     sync_free_forward: bool = False, batched_losses: bool = False,
+                     cuda_graphs: bool = False) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
     ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too; ``batched_losses`` builds on
-    ``batched_matching``.
+    ``batched_matching``; ``cuda_graphs`` on ``sync_free_forward``.
     """
     batched_matching = batched_matching or batched_losses
+    sync_free_forward = sync_free_forward or cuda_graphs
     model = getattr(model, "module", model)
     changed = {}
     if sdpa_attention:
@@ -75,4 +80,7 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
         check_mirrored_mmdet_version("batched_losses")
         changed["batched_losses"] = sum(enable_batched_losses(head) for head in model.modules()
                                         if "loss_by_feat" in vars(head) and hasattr(head, "assigner"))
+    if cuda_graphs:
+        check_mirrored_mmdet_version("cuda_graphs")
+        changed["cuda_graphs"] = enable_cuda_graphs(model)
     return changed

@@ -39,6 +39,29 @@ def deformable_detr_pre_transformer_sync_free(self, mlvl_feats, batch_data_sampl
             mlvl_masks.append(F.interpolate(masks[None], size=feat.shape[-2:]).to(torch.bool).squeeze(0))
             mlvl_pos_embeds.append(self.positional_encoding(mlvl_masks[-1]))
 
+    return _flatten_levels(self, mlvl_feats, mlvl_masks, mlvl_pos_embeds)
+
+
+def deformable_detr_pre_transformer_from_image_sizes(self, mlvl_feats, image_sizes: torch.Tensor, input_img_h: int,
+                                                    input_img_w: int):
+    """``pre_transformer`` with the padding masks made on the device from ``image_sizes`` (``(batch, 2)`` int:
+    each image's height and width inside the ``input_img_h`` x ``input_img_w`` batch): nothing is read from the
+    host metadata, so the function can be captured once and replayed for batches of other image sizes. The masks
+    hold the stock values (1 on the padding); where the stock path skips them (no image padded), the all-valid
+    masks give the same outputs."""
+    rows = torch.arange(input_img_h, device=image_sizes.device).view(1, -1, 1)
+    cols = torch.arange(input_img_w, device=image_sizes.device).view(1, 1, -1)
+    masks = ((rows >= image_sizes[:, 0].view(-1, 1, 1)) | (cols >= image_sizes[:, 1].view(-1, 1, 1))).to(
+        mlvl_feats[0].dtype)
+    mlvl_masks, mlvl_pos_embeds = [], []
+    for feat in mlvl_feats:
+        mlvl_masks.append(F.interpolate(masks[None], size=feat.shape[-2:]).to(torch.bool).squeeze(0))
+        mlvl_pos_embeds.append(self.positional_encoding(mlvl_masks[-1]))
+    return _flatten_levels(self, mlvl_feats, mlvl_masks, mlvl_pos_embeds)
+
+
+def _flatten_levels(self, mlvl_feats, mlvl_masks, mlvl_pos_embeds):
+    """The tail of mmdet 3.3.0's ``DeformableDETR.pre_transformer``, with the level tables made on the host."""
     feat_flatten, lvl_pos_embed_flatten, mask_flatten = [], [], []
     for lvl, (feat, mask, pos_embed) in enumerate(zip(mlvl_feats, mlvl_masks, mlvl_pos_embeds)):
         batch_size, c, h, w = feat.shape
@@ -59,7 +82,7 @@ def deformable_detr_pre_transformer_sync_free(self, mlvl_feats, batch_data_sampl
     if mlvl_masks[0] is not None:
         valid_ratios = torch.stack([self.get_valid_ratio(m) for m in mlvl_masks], 1)
     else:
-        valid_ratios = mlvl_feats[0].new_ones(batch_size, len(mlvl_feats), 2)
+        valid_ratios = mlvl_feats[0].new_ones(mlvl_feats[0].size(0), len(mlvl_feats), 2)
     encoder_inputs_dict = dict(feat=feat_flatten, feat_mask=mask_flatten, feat_pos=lvl_pos_embed_flatten,
                                spatial_shapes=spatial_shapes, level_start_index=level_start_index,
                                valid_ratios=valid_ratios)

@@ -1,0 +1,267 @@
+"""A training region's forward and backward replayed from CUDA graphs, one pair per input signature.
+
+A DETR training step in bf16 is host-bound: the GPU waits while Python, the dispatcher, autocast and autograd
+launch thousands of small kernels. Replaying a captured graph launches the region's whole forward (or backward) in
+one call. :class:`GraphedRegion` wraps a function ``fn(*inputs) -> (outputs, constants)`` — ``outputs`` a pytree of
+tensors (or None) computed on the device, ``constants`` anything that is the same for every call of one signature
+(for example level tables cached on the host's sizes) — and runs it:
+
+- eagerly the first time a signature is seen: that call is the warm-up (Triton compiles, cuDNN/cuBLAS plans);
+- the second time, it captures the forward and the backward (``torch.autograd.grad`` of the differentiable outputs
+  with respect to the trainable parameters) and replays them from then on.
+
+Replays are exact: the same kernels run on the same values (dropout draws other random numbers than an eager run,
+from the same distribution). The values the graphs read are the static input buffers (each call's inputs are copied
+in), the parameters (updated in place by the optimizer) and the constants; anything else the function reads on the
+host at capture time is frozen into the graph, so a region function must take every per-call value as an input
+tensor. Static inputs, outputs and output gradients of every signature are views of shared buffers, and all
+signatures capture into one memory pool: only one signature's graphs run at a time, so the memory of a region is
+about that of its largest signature, not the sum.
+
+A signature falls back to eager (with one log line) when its capture fails, or beyond ``max_graphs`` signatures.
+A call whose previous replay still awaits its backward (a second forward before a backward) runs eagerly too.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.utils._pytree as pytree
+from mmengine.logging import print_log
+
+
+class _SharedBuffers:
+    """Flat device buffers, one per role, that every signature's static tensors view; they grow, never shrink."""
+
+    def __init__(self):
+        self._buffers: Dict[Any, torch.Tensor] = {}
+
+    def view_like(self, role, like: torch.Tensor) -> torch.Tensor:
+        numel = like.numel()
+        key = (role, like.dtype, like.device)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            # Graphs captured before keep their views of the old buffer alive.
+            buffer = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
+            self._buffers[key] = buffer
+        return buffer[:numel].view(like.shape)
+
+
+class _Captured:
+    """One signature's graphs and the static tensors they read and write."""
+
+    def __init__(self):
+        self.forward_graph: Optional[torch.cuda.CUDAGraph] = None
+        self.backward_graph: Optional[torch.cuda.CUDAGraph] = None
+        self.static_inputs: List[torch.Tensor] = []
+        self.static_outputs: List[Optional[torch.Tensor]] = []
+        self.output_spec = None
+        self.differentiable: List[bool] = []
+        self.static_output_grads: List[torch.Tensor] = []
+        self.params: List[torch.nn.Parameter] = []
+        self.param_has_grad: List[bool] = []
+        self.constants: Any = None
+        self.awaiting_backward: Optional[weakref.ref] = None
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, region: "GraphedRegion", entry: _Captured, num_inputs: int, *inputs_and_params):
+        for static, value in zip(entry.static_inputs, inputs_and_params[:num_inputs]):
+            static.copy_(value)
+        region.replay_forward(entry)
+        ctx.region, ctx.entry, ctx.num_inputs = region, entry, num_inputs
+        outputs = tuple(out.detach() for out in entry.static_outputs if out is not None)
+        ctx.mark_non_differentiable(*[out for out, differentiable in zip(outputs, entry.differentiable)
+                                      if not differentiable])
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *output_grads):
+        entry = ctx.entry
+        grads = [grad for grad, differentiable in zip(output_grads, entry.differentiable) if differentiable]
+        for static, grad in zip(entry.static_output_grads, grads):
+            if grad is None:
+                static.zero_()
+            else:
+                static.copy_(grad)
+        param_grads = ctx.region.replay_backward(entry)
+        return (None, None, None) + (None,) * ctx.num_inputs + tuple(param_grads)
+
+
+class GraphedRegion:
+    """Run ``fn`` eagerly on a signature's first call, from captured CUDA graphs on later calls.
+
+    Args:
+        fn: ``fn(*inputs) -> (outputs, constants)``; ``inputs`` are tensors on one CUDA device that nothing
+            differentiates (images, sizes), ``outputs`` a pytree of tensors and Nones.
+        module: the module whose trainable parameters the backward graph differentiates.
+        name: used in log lines.
+        max_graphs: signatures captured at most; later new signatures run eagerly.
+    """
+
+    # Graphs are CUDA graphs; tests emulate them on the CPU with a subclass that sets this to "cpu".
+    device_type = "cuda"
+
+    def __init__(self, fn: Callable, module: torch.nn.Module, name: str, max_graphs: int = 64):
+        self.fn = fn
+        self.module = module
+        self.name = name
+        self.max_graphs = max_graphs
+        self.captured: Dict[tuple, _Captured] = {}
+        self.calls_seen: Dict[tuple, int] = {}
+        self.eager_reasons: Dict[tuple, str] = {}
+        self.shared = _SharedBuffers()
+        self.param_grad_buffers: Dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.replays = 0
+        self.eager_calls = 0
+
+    # -- what a call runs -------------------------------------------------------------------------------------------
+    @staticmethod
+    def signature(inputs: Sequence[torch.Tensor]) -> tuple:
+        autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        return tuple((tuple(x.shape), x.dtype, x.device) for x in inputs) + (autocast,)
+
+    def __call__(self, *inputs: torch.Tensor) -> Tuple[Any, Any]:
+        if not (torch.is_grad_enabled() and all(x.device.type == self.device_type for x in inputs)):
+            return self._eager(inputs)
+        key = self.signature(inputs)
+        entry = self.captured.get(key)
+        if entry is None:
+            if key in self.eager_reasons:
+                return self._eager(inputs)
+            seen = self.calls_seen.get(key, 0) + 1
+            self.calls_seen[key] = seen
+            if seen == 1:  # the warm-up
+                return self._eager(inputs)
+            if len(self.captured) >= self.max_graphs:
+                self._fall_back(key, f"{self.max_graphs} signatures are captured already (max_graphs)")
+                return self._eager(inputs)
+            entry = self._capture_or_fall_back(key, inputs)
+            if entry is None:
+                return self._eager(inputs)
+        pending = entry.awaiting_backward() if entry.awaiting_backward is not None else None
+        if pending is not None:
+            # The last replay's outputs still live and their backward has not run: a replay would overwrite the
+            # activations that backward reads.
+            return self._eager(inputs)
+        params = entry.params
+        outputs = _Replay.apply(self, entry, len(inputs), *inputs, *params)
+        self.replays += 1
+        if outputs:
+            entry.awaiting_backward = weakref.ref(outputs[0])
+        leaves, it = [], iter(outputs)
+        for static in entry.static_outputs:
+            leaves.append(None if static is None else next(it))
+        return pytree.tree_unflatten(leaves, entry.output_spec), entry.constants
+
+    def _eager(self, inputs):
+        self.eager_calls += 1
+        return self.fn(*inputs)
+
+    def _fall_back(self, key, reason: str) -> None:
+        self.eager_reasons[key] = reason
+        print_log(f"deform_plugin: {self.name} of inputs {[list(k[0]) for k in key[:-1]]} runs eagerly: {reason}",
+                  logger="current")
+
+    # -- replay -----------------------------------------------------------------------------------------------------
+    def replay_forward(self, entry: _Captured) -> None:
+        entry.forward_graph.replay()
+
+    def replay_backward(self, entry: _Captured) -> List[Optional[torch.Tensor]]:
+        entry.backward_graph.replay()
+        entry.awaiting_backward = None
+        used = [self.param_grad_buffers[id(p)] for p, has in zip(entry.params, entry.param_has_grad) if has]
+        # Copies: autograd may keep a returned gradient as the parameter's .grad, and the next replay overwrites
+        # these buffers.
+        copies = iter(torch._foreach_mul(used, 1.0)) if used else iter(())
+        return [next(copies) if has else None for has in entry.param_has_grad]
+
+    # -- capture ----------------------------------------------------------------------------------------------------
+    def _capture_or_fall_back(self, key, inputs) -> Optional[_Captured]:
+        try:
+            entry = self.capture(inputs)
+        except RuntimeError as error:
+            if inputs[0].is_cuda:
+                torch.cuda.synchronize(inputs[0].device)
+            self._fall_back(key, f"its capture failed ({str(error).splitlines()[0]})")
+            return None
+        self.captured[key] = entry
+        return entry
+
+    def _trainable_params(self) -> List[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def capture(self, inputs: Sequence[torch.Tensor]) -> _Captured:
+        """Capture the forward and backward graphs of ``inputs``' signature (which has been run eagerly before)."""
+        device = inputs[0].device
+        entry = _Captured()
+        entry.static_inputs = [self.shared.view_like(("input", i), x) for i, x in enumerate(inputs)]
+        for static, value in zip(entry.static_inputs, inputs):
+            static.copy_(value)
+        entry.params = self._trainable_params()
+        for p in entry.params:
+            if id(p) not in self.param_grad_buffers:
+                self.param_grad_buffers[id(p)] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if self.pool is None and device.type == "cuda":
+            self.pool = torch.cuda.graph_pool_handle()
+        autocast_on, autocast_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        captured = {}
+
+        def run_forward():
+            outputs, constants = self.fn(*entry.static_inputs)
+            leaves, spec = pytree.tree_flatten(outputs)
+            if entry.output_spec is None:
+                entry.output_spec, entry.constants = spec, constants
+                for i, leaf in enumerate(leaves):
+                    if leaf is not None and not isinstance(leaf, torch.Tensor):
+                        raise RuntimeError(f"{self.name} returned a {type(leaf).__name__}, not a tensor")
+                    entry.static_outputs.append(None if leaf is None else self.shared.view_like(("output", i), leaf))
+            for static, leaf in zip(entry.static_outputs, leaves):
+                if static is not None:
+                    static.copy_(leaf)
+            captured["differentiable"] = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
+            if not entry.differentiable:
+                entry.differentiable = [leaf.requires_grad for leaf in leaves if leaf is not None]
+
+        def run_backward():
+            differentiable = captured.pop("differentiable")
+            if not entry.static_output_grads:
+                entry.static_output_grads = [self.shared.view_like(("output_grad", i), leaf)
+                                             for i, leaf in enumerate(differentiable)]
+            grads = torch.autograd.grad(differentiable, entry.params, grad_outputs=entry.static_output_grads,
+                                        allow_unused=True)
+            entry.param_has_grad = [grad is not None for grad in grads]
+            pairs = [(self.param_grad_buffers[id(p)], grad) for p, grad in zip(entry.params, grads)
+                     if grad is not None]
+            if pairs:
+                torch._foreach_copy_([buffer for buffer, _ in pairs], [grad for _, grad in pairs])
+
+        if device.type != "cuda":  # graphs emulated by a subclass (tests)
+            entry.forward_graph = self.capture_graph(run_forward)
+            entry.backward_graph = self.capture_graph(run_backward)
+            return entry
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), \
+                torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_on, cache_enabled=False):
+            # Autocast's weight cache is off: a cached cast would be captured once and never recomputed after the
+            # optimizer changes the weight.
+            entry.forward_graph = self.capture_graph(run_forward)
+            entry.backward_graph = self.capture_graph(run_backward)
+        torch.cuda.current_stream(device).wait_stream(side)
+        return entry
+
+    def capture_graph(self, work: Callable[[], None]):
+        """A graph that replays the kernels ``work()`` launches (``work`` runs once, now)."""
+        graph = torch.cuda.CUDAGraph()
+        # 'thread_local': the data loader's pinning thread may call CUDA while this thread captures.
+        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+        try:
+            work()
+        finally:
+            graph.capture_end()
+        return graph

@@ -1,0 +1,265 @@
+"""Graph-replayed training gives the eager step's losses and gradients.
+
+- on the CPU, the captured region of Deformable-DETR two-stage and DINO (padding masks from a device tensor of
+  image sizes), run eagerly and replayed from emulated graphs, gives the stock ``loss`` to float64 rounding,
+  dropout included;
+- :class:`GraphedRegion`'s replay machinery (static buffers shared by signatures, the autograd function, gradient
+  copies, fallbacks) with graphs emulated on the CPU by re-running the captured work;
+- on a GPU, real CUDA graphs: losses and gradients over optimizer steps and two input shapes equal eager.
+"""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
+from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedRegion
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import stock_worker  # noqa: E402
+
+CONFIGS = {"deformable-detr-two-stage":
+           "configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py",
+           "dino": "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py"}
+
+
+class _ReRunGraph:
+    """A stand-in for a CUDA graph on the CPU: replaying runs the captured work again."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def replay(self):
+        with torch.enable_grad():
+            self.work()
+
+
+class EmulatedGraphRegion(GraphedRegion):
+    device_type = "cpu"
+
+    def capture_graph(self, work):
+        # A capture launches nothing: keep the random state as it was (dropout draws at the replay only).
+        state = torch.get_rng_state()
+        work()
+        torch.set_rng_state(state)
+        return _ReRunGraph(work)
+
+
+@pytest.fixture
+def float64_by_default():
+    # DINO's denoising generator makes its query tables with the default dtype.
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _detector(name, dtype=torch.float64):
+    from mmengine.config import Config
+    torch.manual_seed(0)
+    cfg = Config.fromfile(str(ROOT / CONFIGS[name]))
+    # A ResNet-18 and fewer queries keep the float64 CPU steps short; the captured pieces are the same.
+    cfg.model.backbone.depth = 18
+    cfg.model.neck.in_channels = [128, 256, 512]
+    cfg.model.num_queries = 100
+    model = stock_worker.build_msda_owner(cfg)
+    model.init_weights()
+    return model.to(dtype=dtype).train()
+
+
+def _training_batch(height=224, width=256, sizes=((224, 256), (200, 232)), seed=0, device="cpu",
+                    dtype=torch.float64):
+    from mmengine.structures import InstanceData
+    inputs, samples = stock_worker.detection_inputs(batch=len(sizes), height=height, width=width, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for sample, (h, w), num_gts in zip(samples, sizes, (3, 5, 2, 4)):
+        sample.set_metainfo(dict(img_shape=(h, w), ori_shape=(h, w)))
+        centre = torch.rand(num_gts, 2, generator=generator) * 0.6 + 0.2
+        half = torch.rand(num_gts, 2, generator=generator) * 0.15 + 0.05
+        boxes = torch.cat([centre - half, centre + half], 1) * torch.tensor([w, h, w, h])
+        sample.gt_instances = InstanceData(bboxes=boxes.to(device=device, dtype=dtype),
+                                           labels=torch.randint(0, 80, (num_gts,), generator=generator).to(device))
+    return inputs.to(device=device, dtype=dtype), samples
+
+
+def _loss_and_grads(detector, inputs, samples, seed=3):
+    torch.manual_seed(seed)
+    losses = detector.loss(inputs, copy.deepcopy(samples))
+    total = sum(value.sum() for value in losses.values() if isinstance(value, torch.Tensor))
+    params = [p for p in detector.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(total, params, allow_unused=True)
+    return {k: v.detach() for k, v in losses.items()}, grads
+
+
+@pytest.mark.usefixtures("float64_by_default")
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_replays_give_the_stock_losses_and_gradients_for_other_image_sizes(name):
+    stock = _detector(name)
+    fast = copy.deepcopy(stock)
+    changed = apply_fast_paths(fast, cuda_graphs=True)
+    assert changed["cuda_graphs"] == 1 and changed["sync_free_forward"] == 1
+    region = fast.graphed_training_region
+    region.__class__ = EmulatedGraphRegion
+    # Same padded shape, other image sizes: the first call runs the region eagerly (the warm-up), the second
+    # captures, all replay after.
+    for sizes in [((224, 256), (200, 232)), ((160, 256), (224, 128)), ((224, 200), (224, 256))]:
+        inputs, samples = _training_batch(sizes=sizes, seed=len(sizes[0]) + sizes[1][0])
+        expected, expected_grads = _loss_and_grads(stock, inputs, samples)
+        got, got_grads = _loss_and_grads(fast, inputs, samples)
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], rtol=1e-10, atol=1e-12, msg=key)
+        for ours, theirs in zip(got_grads, expected_grads):
+            if theirs is not None:
+                torch.testing.assert_close(ours, theirs, rtol=1e-8, atol=1e-10)
+    assert (region.eager_calls, region.replays, len(region.captured)) == (1, 2, 1)
+
+
+# ---- the replay machinery, on a small region ----------------------------------------------------------------------
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(5, 3)
+        self.unused = nn.Linear(2, 2)
+        self.frozen = nn.Linear(3, 3).requires_grad_(False)
+
+
+def _small_region(net):
+    def fn(x, scale):
+        hidden = torch.tanh(net.a(x)) * scale[:, None]
+        out = net.frozen(net.b(hidden))
+        return dict(out=out, flags=[hidden > 0, None]), ("constant", x.shape[0])
+    return fn
+
+
+def _step(call, x, scale, grad_seed):
+    outputs, constants = call(x, scale)
+    generator = torch.Generator().manual_seed(grad_seed)
+    upstream = torch.randn(outputs["out"].shape, generator=generator, dtype=outputs["out"].dtype)
+    (outputs["out"] * upstream).sum().backward()
+    return outputs, constants
+
+
+def test_graphed_region_replays_equal_eager_and_accumulate_gradients():
+    torch.manual_seed(0)
+    net = _Net().double()
+    eager_net = copy.deepcopy(net)
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region")
+    eager = _small_region(eager_net)
+    generator = torch.Generator().manual_seed(1)
+    calls = [(torch.randn(4, 6, generator=generator, dtype=torch.float64),
+              torch.rand(4, generator=generator, dtype=torch.float64)) for _ in range(3)]
+    calls.append((torch.randn(7, 6, generator=generator, dtype=torch.float64),
+                  torch.rand(7, generator=generator, dtype=torch.float64)))
+    calls += calls[-1:] * 2
+    for i, (x, scale) in enumerate(calls):
+        ours, constants = _step(region, x, scale, i)
+        theirs, expected_constants = _step(eager, x, scale, i)
+        assert constants == expected_constants
+        torch.testing.assert_close(ours["out"], theirs["out"], rtol=0, atol=0)
+        assert torch.equal(ours["flags"][0], theirs["flags"][0]) and ours["flags"][1] is None
+        assert not ours["flags"][0].requires_grad
+        # .grad accumulates over the calls (no zero_grad): a returned gradient aliasing a buffer that the next
+        # replay overwrites would double or lose contributions.
+        for p, q in zip(net.parameters(), eager_net.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    assert net.unused.weight.grad is None and net.frozen.weight.grad is None
+    # Per signature: warm-up eagerly, then capture and replay.
+    assert (region.eager_calls, region.replays, len(region.captured)) == (2, 4, 2)
+
+
+def test_a_second_forward_before_the_backward_runs_eagerly():
+    net = _Net().double()
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region")
+    x, scale = torch.randn(4, 6, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
+    _step(region, x, scale, 0)
+    first, _ = region(x, scale)  # replayed; its backward has not run
+    second, _ = region(x, scale)  # must not overwrite the first replay's outputs
+    assert region.replays == 1 and region.eager_calls == 2
+    torch.testing.assert_close(first["out"], second["out"])
+    del first
+    region(x, scale)  # the first replay's graph is gone: replays again
+    assert region.replays == 2
+
+
+def test_no_grad_calls_and_failed_captures_run_eagerly_with_the_reason():
+    net = _Net().double()
+    region = EmulatedGraphRegion(lambda x: (dict(out=net.a(x), bad=3), None), net, name="test region")
+    x = torch.randn(2, 6, dtype=torch.float64)
+    with torch.no_grad():
+        region(x)
+        region(x)
+    assert region.calls_seen == {}
+    region(x)
+    region(x)  # the capture meets a non-tensor output and falls back
+    assert len(region.captured) == 0 and "int, not a tensor" in next(iter(region.eager_reasons.values()))
+    region(x)
+    assert region.eager_calls == 5 and region.replays == 0
+
+
+def test_max_graphs_bounds_the_captured_signatures():
+    net = _Net().double()
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region", max_graphs=1)
+    for rows in (2, 2, 3, 3, 3):
+        _step(region, torch.randn(rows, 6, dtype=torch.float64), torch.rand(rows, dtype=torch.float64), 0)
+    assert len(region.captured) == 1 and region.replays == 1
+    assert "max_graphs" in next(iter(region.eager_reasons.values()))
+
+
+def test_detectors_without_the_stock_pieces_are_left_alone():
+    from deform_plugin.integration.mmdet_fast_paths.graphed_training import enable_cuda_graph_training
+    assert enable_cuda_graph_training(nn.Linear(2, 2)) is None
+    detector = _detector("dino", dtype=torch.float32)
+    detector.loss = lambda *args: None  # a user's own loss
+    assert enable_cuda_graph_training(detector) is None
+
+
+# ---- real CUDA graphs ---------------------------------------------------------------------------------------------
+
+def _without_dropout(model):
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, amp):
+    # Dropout off: replayed dropout draws other numbers than eager dropout.
+    eager = _without_dropout(_detector(name, dtype=torch.float32)).cuda()
+    apply_fast_paths(eager, sync_free_forward=True)
+    graphed = copy.deepcopy(eager)
+    apply_fast_paths(graphed, cuda_graphs=True)
+    region = graphed.graphed_training_region
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1e-3) for m in (eager, graphed)]
+    shapes = [(224, 256), (224, 256), (256, 224), (224, 256), (256, 224), (256, 224), (224, 256)]
+    for step, (h, w) in enumerate(shapes):
+        inputs, samples = _training_batch(h, w, sizes=((h, w), (h - 32, w - 16 * step)), seed=step, device="cuda",
+                                          dtype=torch.float32)
+        results = []
+        for model, optimizer in zip((eager, graphed), optimizers):
+            optimizer.zero_grad()
+            with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+                losses = model.loss(inputs, copy.deepcopy(samples))
+            total = sum(v.sum() for v in losses.values() if isinstance(v, torch.Tensor))
+            total.backward()
+            results.append((float(total), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+            optimizer.step()
+        (eager_total, eager_grads), (graph_total, graph_grads) = results
+        tolerance = 2e-2 if amp else 1e-4  # MSDA's backward adds with atomics, in any order
+        assert abs(graph_total - eager_total) <= tolerance * abs(eager_total), (step, graph_total, eager_total)
+        assert len(graph_grads) == len(eager_grads)
+        num = sum(float((g - e).norm() ** 2) for g, e in zip(graph_grads, eager_grads)) ** 0.5
+        den = sum(float(e.norm() ** 2) for e in eager_grads) ** 0.5
+        assert num <= 10 * tolerance * den, (step, num / den)
+    assert region.replays == 5 and len(region.captured) == 2 and not region.eager_reasons
