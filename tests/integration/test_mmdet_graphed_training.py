@@ -228,6 +228,8 @@ def _without_dropout(model):
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        elif isinstance(module, nn.MultiheadAttention):  # its attention dropout is a float, not a module
+            module.dropout = 0.0
     return model
 
 
@@ -249,6 +251,7 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, amp):
         results = []
         for model, optimizer in zip((eager, graphed), optimizers):
             optimizer.zero_grad()
+            torch.manual_seed(step)  # DINO's denoising queries are random
             with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
                 losses = model.loss(inputs, copy.deepcopy(samples))
             total = sum(v.sum() for v in losses.values() if isinstance(v, torch.Tensor))
@@ -256,10 +259,12 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, amp):
             results.append((float(total), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
             optimizer.step()
         (eager_total, eager_grads), (graph_total, graph_grads) = results
-        tolerance = 2e-2 if amp else 1e-4  # MSDA's backward adds with atomics, in any order
-        assert abs(graph_total - eager_total) <= tolerance * abs(eager_total), (step, graph_total, eager_total)
+        # MSDA's backward adds with atomics in any order, and a rounding difference can flip a two-stage top-k
+        # proposal or a matching: gradients agree to a looser bound than losses.
+        loss_tolerance, grad_tolerance = (2e-2, 5e-2) if amp else (1e-3, 1e-2)
+        assert abs(graph_total - eager_total) <= loss_tolerance * abs(eager_total), (step, graph_total, eager_total)
         assert len(graph_grads) == len(eager_grads)
         num = sum(float((g - e).norm() ** 2) for g, e in zip(graph_grads, eager_grads)) ** 0.5
         den = sum(float(e.norm() ** 2) for e in eager_grads) ** 0.5
-        assert num <= 10 * tolerance * den, (step, num / den)
+        assert num <= grad_tolerance * den, (step, num / den)
     assert region.replays == 5 and len(region.captured) == 2 and not region.eager_reasons

@@ -65,6 +65,19 @@ class _Captured:
         self.awaiting_backward: Optional[weakref.ref] = None
 
 
+class _CallWithParameters(torch.nn.Module):
+    """``fn`` as the forward of a module that holds ``module``: ``torch.func.functional_call`` can then run ``fn``
+    with ``module``'s parameters replaced."""
+
+    def __init__(self, module: torch.nn.Module, fn: Callable):
+        super().__init__()
+        self.module = module
+        self.fn = fn
+
+    def forward(self, *inputs):
+        return self.fn(*inputs)
+
+
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region: "GraphedRegion", entry: _Captured, num_inputs: int, *inputs_and_params):
@@ -184,16 +197,20 @@ class GraphedRegion:
     def _capture_or_fall_back(self, key, inputs) -> Optional[_Captured]:
         try:
             entry = self.capture(inputs)
-        except RuntimeError as error:
+        except RuntimeError as error:  # torch.AcceleratorError is one
+            reason = str(error).splitlines()[0]
             if inputs[0].is_cuda:
-                torch.cuda.synchronize(inputs[0].device)
-            self._fall_back(key, f"its capture failed ({str(error).splitlines()[0]})")
+                try:
+                    torch.cuda.synchronize(inputs[0].device)
+                    torch.empty(1, device=inputs[0].device).uniform_()
+                except RuntimeError as broken:
+                    raise RuntimeError(f"deform_plugin: the CUDA graph capture of {self.name} failed ({reason}) and "
+                                       f"left CUDA unusable ({str(broken).splitlines()[0]}); turn the cuda_graphs "
+                                       "fast path off for this model") from error
+            self._fall_back(key, f"its capture failed ({reason})")
             return None
         self.captured[key] = entry
         return entry
-
-    def _trainable_params(self) -> List[torch.nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
 
     def capture(self, inputs: Sequence[torch.Tensor]) -> _Captured:
         """Capture the forward and backward graphs of ``inputs``' signature (which has been run eagerly before)."""
@@ -202,17 +219,24 @@ class GraphedRegion:
         entry.static_inputs = [self.shared.view_like(("input", i), x) for i, x in enumerate(inputs)]
         for static, value in zip(entry.static_inputs, inputs):
             static.copy_(value)
-        entry.params = self._trainable_params()
+        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        entry.params = [p for _, p in named]
         for p in entry.params:
             if id(p) not in self.param_grad_buffers:
                 self.param_grad_buffers[id(p)] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        # The capture differentiates fresh leaves that share the parameters' storage (so replays read the current
+        # weights): the parameters' own autograd accumulators belong to the eager stream, and the backward engine
+        # would synchronise the capturing stream with it, which a capture cannot do.
+        aliases = {name: p.detach().requires_grad_() for name, p in named}
+        holder = _CallWithParameters(self.module, self.fn)
         if self.pool is None and device.type == "cuda":
             self.pool = torch.cuda.graph_pool_handle()
         autocast_on, autocast_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
         captured = {}
 
         def run_forward():
-            outputs, constants = self.fn(*entry.static_inputs)
+            outputs, constants = torch.func.functional_call(
+                holder, {f"module.{name}": alias for name, alias in aliases.items()}, tuple(entry.static_inputs))
             leaves, spec = pytree.tree_flatten(outputs)
             if entry.output_spec is None:
                 entry.output_spec, entry.constants = spec, constants
@@ -232,7 +256,7 @@ class GraphedRegion:
             if not entry.static_output_grads:
                 entry.static_output_grads = [self.shared.view_like(("output_grad", i), leaf)
                                              for i, leaf in enumerate(differentiable)]
-            grads = torch.autograd.grad(differentiable, entry.params, grad_outputs=entry.static_output_grads,
+            grads = torch.autograd.grad(differentiable, list(aliases.values()), grad_outputs=entry.static_output_grads,
                                         allow_unused=True)
             entry.param_has_grad = [grad is not None for grad in grads]
             pairs = [(self.param_grad_buffers[id(p)], grad) for p, grad in zip(entry.params, grads)
