@@ -133,11 +133,13 @@ def _in_range(function, name: str):
 
 def profile_training(model, optim_wrapper, batch, device: torch.device, steps: int, trace_path: Optional[str],
                      msda_pattern: re.Pattern) -> dict:
-    """One step outside the profiler (no first-call effects inside it), then ``steps`` profiled steps."""
+    """Two steps outside the profiler (no first-call effects inside it: the first warms up, the second captures
+    the CUDA graphs of the ``cuda_graphs`` fast path), then ``steps`` profiled steps."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model.train()
-    profiled_train_step(model, optim_wrapper, batch, device)
+    for _ in range(2):
+        profiled_train_step(model, optim_wrapper, batch, device)
     with matching_ranges(model), profile(activities=activities) as prof:
         for _ in range(steps):
             profiled_train_step(model, optim_wrapper, batch, device)

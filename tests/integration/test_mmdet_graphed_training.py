@@ -243,25 +243,31 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, amp):
     graphed = copy.deepcopy(eager)
     apply_fast_paths(graphed, cuda_graphs=True)
     region = graphed.graphed_training_region
-    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1e-3) for m in (eager, graphed)]
+    optimizer = torch.optim.SGD([p for p in eager.parameters() if p.requires_grad], lr=1e-3)
     shapes = [(224, 256), (224, 256), (256, 224), (224, 256), (256, 224), (256, 224), (224, 256)]
     for step, (h, w) in enumerate(shapes):
         inputs, samples = _training_batch(h, w, sizes=((h, w), (h - 32, w - 16 * step)), seed=step, device="cuda",
                                           dtype=torch.float32)
+        # Both models hold the same weights at every step: the graphed one gets the eager one's in place, as an
+        # optimizer would, so its replays must read the updated weights. (Stepping each model on its own
+        # gradients would compare chaotic trajectories: an untrained two-stage top-k and matching are full of
+        # near-ties that rounding differences flip.)
+        with torch.no_grad():
+            for theirs, ours in zip(eager.parameters(), graphed.parameters()):
+                ours.copy_(theirs)
         results = []
-        for model, optimizer in zip((eager, graphed), optimizers):
-            optimizer.zero_grad()
+        for model in (eager, graphed):
+            model.zero_grad(set_to_none=True)
             torch.manual_seed(step)  # DINO's denoising queries are random
             with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
                 losses = model.loss(inputs, copy.deepcopy(samples))
             total = sum(v.sum() for v in losses.values() if isinstance(v, torch.Tensor))
             total.backward()
             results.append((float(total), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
-            optimizer.step()
+        optimizer.step()
         (eager_total, eager_grads), (graph_total, graph_grads) = results
-        # MSDA's backward adds with atomics in any order, and a rounding difference can flip a two-stage top-k
-        # proposal or a matching: gradients agree to a looser bound than losses.
-        loss_tolerance, grad_tolerance = (2e-2, 5e-2) if amp else (1e-3, 1e-2)
+        # MSDA's backward adds with atomics, in any order.
+        loss_tolerance, grad_tolerance = (2e-2, 5e-2) if amp else (1e-4, 1e-3)
         assert abs(graph_total - eager_total) <= loss_tolerance * abs(eager_total), (step, graph_total, eager_total)
         assert len(graph_grads) == len(eager_grads)
         num = sum(float((g - e).norm() ** 2) for g, e in zip(graph_grads, eager_grads)) ** 0.5
