@@ -5,7 +5,8 @@ The captured region is everything of mmdet 3.3.0's ``DetectionTransformer.loss``
 depend only on the batch's pixels and image sizes:
 
 - Deformable-DETR (plain, refine, two-stage): backbone, neck, encoder, ``pre_decoder`` (the two-stage top-k
-  proposals) and decoder; the head's branches, matching and losses run eagerly on the replayed outputs;
+  proposals), decoder and the head's class and box branches; matching and losses run eagerly on the replayed
+  outputs;
 - DINO (and detectors with DINO's ``forward_transformer``): backbone, neck and encoder; ``pre_decoder`` builds the
   denoising queries from the ground truth (their number changes with the boxes of the batch), so it, the decoder,
   the head and the losses run eagerly.
@@ -64,13 +65,32 @@ def _region_and_tail(detector):
     transformer = type(detector).forward_transformer
     if (transformer is DeformableDETR.forward_transformer and type(detector).pre_decoder is DeformableDETR.pre_decoder
             and type(detector).forward_decoder is DeformableDETR.forward_decoder):
-        def whole_network(batch_inputs, image_sizes):
+        from mmdet.models.dense_heads import DeformableDETRHead
+        head = detector.bbox_head
+        if type(head).loss is DeformableDETRHead.loss:
+            # mmdet 3.3.0's DeformableDETRHead.loss, its forward (the class and box branches) inside the region.
+            def whole_network(batch_inputs, image_sizes):
+                encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
+                head_inputs = _decoder(detector, encoder_outputs, decoder_inputs)
+                outputs = dict(head_outputs=head(head_inputs["hidden_states"], head_inputs["references"]),
+                               enc_outputs_class=head_inputs.get("enc_outputs_class"),
+                               enc_outputs_coord=head_inputs.get("enc_outputs_coord"))
+                return outputs, None
+
+            def tail(outputs, _, batch_data_samples):
+                batch_gt_instances = [sample.gt_instances for sample in batch_data_samples]
+                batch_img_metas = [sample.metainfo for sample in batch_data_samples]
+                return head.loss_by_feat(*outputs["head_outputs"], outputs["enc_outputs_class"],
+                                         outputs["enc_outputs_coord"], batch_gt_instances, batch_img_metas)
+            return whole_network, tail
+
+        def transformer_only(batch_inputs, image_sizes):
             encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
             return _decoder(detector, encoder_outputs, decoder_inputs), None
 
-        def tail(head_inputs, _, batch_data_samples):
+        def head_tail(head_inputs, _, batch_data_samples):
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
-        return whole_network, tail
+        return transformer_only, head_tail
     if transformer is DINO.forward_transformer:
         def backbone_and_encoder(batch_inputs, image_sizes):
             encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
