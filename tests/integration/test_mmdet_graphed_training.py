@@ -176,6 +176,22 @@ def test_graphed_region_replays_equal_eager_and_accumulate_gradients():
     assert (region.eager_calls, region.replays, len(region.captured)) == (2, 4, 2)
 
 
+def test_freezing_a_layer_or_switching_mode_captures_anew():
+    net = _Net().double()
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region")
+    x, scale = torch.randn(4, 6, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
+    for _ in range(2):
+        _step(region, x, scale, 0)
+    net.a.requires_grad_(False)  # a graph differentiates a fixed set of parameters
+    net.zero_grad(set_to_none=True)
+    for _ in range(2):
+        _step(region, x, scale, 0)
+    assert net.a.weight.grad is None and net.b.weight.grad is not None
+    net.eval()
+    _step(region, x, scale, 0)
+    assert len(region.captured) == 2 and region.eager_calls == 3
+
+
 def test_a_second_forward_before_the_backward_runs_eagerly():
     net = _Net().double()
     region = EmulatedGraphRegion(_small_region(net), net, name="test region")

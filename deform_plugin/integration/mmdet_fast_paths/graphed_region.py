@@ -133,10 +133,13 @@ class GraphedRegion:
         self.eager_calls = 0
 
     # -- what a call runs -------------------------------------------------------------------------------------------
-    @staticmethod
-    def signature(inputs: Sequence[torch.Tensor]) -> tuple:
+    def signature(self, inputs: Sequence[torch.Tensor]) -> tuple:
+        """What a capture depends on besides the input values: shapes, dtypes, devices, the autocast state, the
+        module's train/eval mode and which parameters are trainable (a graph differentiates a fixed set)."""
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        return tuple((tuple(x.shape), x.dtype, x.device) for x in inputs) + (autocast,)
+        trainable = sum(p.requires_grad for p in self.module.parameters())
+        return tuple((tuple(x.shape), x.dtype, x.device) for x in inputs) + (autocast, self.module.training,
+                                                                             trainable)
 
     def __call__(self, *inputs: torch.Tensor) -> Tuple[Any, Any]:
         if not (torch.is_grad_enabled() and all(x.device.type == self.device_type for x in inputs)):
@@ -177,7 +180,7 @@ class GraphedRegion:
 
     def _fall_back(self, key, reason: str) -> None:
         self.eager_reasons[key] = reason
-        print_log(f"deform_plugin: {self.name} of inputs {[list(k[0]) for k in key[:-1]]} runs eagerly: {reason}",
+        print_log(f"deform_plugin: {self.name} of inputs {[list(k[0]) for k in key[:-3]]} runs eagerly: {reason}",
                   logger="current")
 
     # -- replay -----------------------------------------------------------------------------------------------------
