@@ -196,14 +196,25 @@ def test_a_second_forward_before_the_backward_runs_eagerly():
     net = _Net().double()
     region = EmulatedGraphRegion(_small_region(net), net, name="test region")
     x, scale = torch.randn(4, 6, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
-    _step(region, x, scale, 0)
+    y, other_scale = torch.randn(3, 6, dtype=torch.float64), torch.rand(3, dtype=torch.float64)
+    for _ in range(2):  # both signatures captured
+        _step(region, x, scale, 0)
+        _step(region, y, other_scale, 0)
+    replays, eager_calls = region.replays, region.eager_calls
     first, _ = region(x, scale)  # replayed; its backward has not run
-    second, _ = region(x, scale)  # must not overwrite the first replay's outputs
-    assert region.replays == 1 and region.eager_calls == 2
+    second, _ = region(x, scale)  # must not overwrite the first replay's activations and outputs
+    third, _ = region(y, other_scale)  # another signature shares the pool and the output buffers
+    assert region.replays == replays + 1 and region.eager_calls == eager_calls + 2
     torch.testing.assert_close(first["out"], second["out"])
-    del first
-    region(x, scale)  # the first replay's graph is gone: replays again
-    assert region.replays == 2
+    kept = first["out"].detach().clone()
+    del first, second, third
+    region(y, other_scale)  # the first replay's graph is gone: replays again
+    assert region.replays == replays + 2
+    out, _ = region(x, scale)  # the second replay's graph lives on in `out`, but its backward has run
+    out["out"].sum().backward()
+    region(x, scale)
+    assert region.replays == replays + 4
+    torch.testing.assert_close(out["out"], kept)
 
 
 def test_no_grad_calls_and_failed_captures_run_eagerly_with_the_reason():

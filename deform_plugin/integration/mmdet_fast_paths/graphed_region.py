@@ -19,7 +19,8 @@ signatures capture into one memory pool: only one signature's graphs run at a ti
 about that of its largest signature, not the sum.
 
 A signature falls back to eager (with one log line) when its capture fails, or beyond ``max_graphs`` signatures.
-A call whose previous replay still awaits its backward (a second forward before a backward) runs eagerly too.
+A call made while the previous replay still awaits its backward (a second forward before a backward) runs eagerly
+too.
 """
 from __future__ import annotations
 
@@ -62,7 +63,6 @@ class _Captured:
         self.params: List[torch.nn.Parameter] = []
         self.param_has_grad: List[bool] = []
         self.constants: Any = None
-        self.awaiting_backward: Optional[weakref.ref] = None
 
 
 class _CallWithParameters(torch.nn.Module):
@@ -131,6 +131,9 @@ class GraphedRegion:
         self.pool = None
         self.replays = 0
         self.eager_calls = 0
+        # The autograd node of the last replay until its backward runs (weakly: a graph dropped without a backward
+        # frees the region).
+        self.awaiting_backward: Optional[weakref.ref] = None
 
     # -- what a call runs -------------------------------------------------------------------------------------------
     def signature(self, inputs: Sequence[torch.Tensor]) -> tuple:
@@ -159,16 +162,15 @@ class GraphedRegion:
             entry = self._capture_or_fall_back(key, inputs)
             if entry is None:
                 return self._eager(inputs)
-        pending = entry.awaiting_backward() if entry.awaiting_backward is not None else None
-        if pending is not None:
-            # The last replay's outputs still live and their backward has not run: a replay would overwrite the
-            # activations that backward reads.
+        if self.awaiting_backward is not None and self.awaiting_backward() is not None:
+            # The last replay's autograd graph lives and its backward has not run: a replay of any signature would
+            # overwrite the activations (shared pool) and outputs (shared buffers) that backward reads.
             return self._eager(inputs)
         params = entry.params
         outputs = _Replay.apply(self, entry, len(inputs), *inputs, *params)
         self.replays += 1
-        if outputs:
-            entry.awaiting_backward = weakref.ref(outputs[0])
+        differentiable = [out for out in outputs if out.grad_fn is not None]
+        self.awaiting_backward = weakref.ref(differentiable[0].grad_fn) if differentiable else None
         leaves, it = [], iter(outputs)
         for static in entry.static_outputs:
             leaves.append(None if static is None else next(it))
@@ -189,7 +191,7 @@ class GraphedRegion:
 
     def replay_backward(self, entry: _Captured) -> List[Optional[torch.Tensor]]:
         entry.backward_graph.replay()
-        entry.awaiting_backward = None
+        self.awaiting_backward = None
         used = [self.param_grad_buffers[id(p)] for p, has in zip(entry.params, entry.param_has_grad) if has]
         # Copies: autograd may keep a returned gradient as the parameter's .grad, and the next replay overwrites
         # these buffers.
