@@ -1,8 +1,8 @@
 """The ``cuda_graphs`` fast path: the forward and backward of Deformable-DETR's and DINO's network replayed from
 CUDA graphs during training, one pair per input shape (:class:`.graphed_region.GraphedRegion`).
 
-The captured region is everything of mmdet 3.3.0's ``DetectionTransformer.loss`` up to the losses whose values
-depend only on the batch's pixels and image sizes:
+The captured region is the part of mmdet 3.3.0's ``DetectionTransformer.loss`` that depends only on the batch's
+pixels and image sizes:
 
 - Deformable-DETR (plain, refine, two-stage): backbone, neck, encoder, ``pre_decoder`` (the two-stage top-k
   proposals), decoder and the head's class and box branches; matching and losses run eagerly on the replayed
