@@ -70,7 +70,9 @@ def time_variable_sizes(model, optim_wrapper, batches, device, show_progress: bo
     """Training steps over batches of sizes never seen before, then over the same batches again.
 
     The first pass pays whatever a new input size costs (kernel compilation, cuDNN/cuBLAS plan selection, allocator
-    growth); the second pass runs the same sizes warm. Their difference per step is the cost of a new size.
+    growth); the second pass runs the same sizes warm. Their difference per step is the cost of a new size. With the
+    ``cuda_graphs`` fast path the second pass also holds each size's capture (graphs are captured at a size's
+    second step), so it is warm but not yet replayed.
     """
     model.train()
     passes = {}

@@ -46,7 +46,7 @@ class FastPathsHook(Hook):
         self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs),
                              batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses),
                              sync_free_forward=bool(sync_free_forward), batched_losses=bool(batched_losses),
-                            cuda_graphs=bool(cuda_graphs))
+                             cuda_graphs=bool(cuda_graphs))
 
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths

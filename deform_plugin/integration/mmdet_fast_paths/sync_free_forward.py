@@ -34,10 +34,7 @@ def deformable_detr_pre_transformer_sync_free(self, mlvl_feats, batch_data_sampl
         for img_id in range(batch_size):
             img_h, img_w = img_shape_list[img_id]
             masks[img_id, :img_h, :img_w] = 0
-        mlvl_masks, mlvl_pos_embeds = [], []
-        for feat in mlvl_feats:
-            mlvl_masks.append(F.interpolate(masks[None], size=feat.shape[-2:]).to(torch.bool).squeeze(0))
-            mlvl_pos_embeds.append(self.positional_encoding(mlvl_masks[-1]))
+        mlvl_masks, mlvl_pos_embeds = _level_masks_and_positions(self, mlvl_feats, masks)
 
     return _flatten_levels(self, mlvl_feats, mlvl_masks, mlvl_pos_embeds)
 
@@ -53,11 +50,17 @@ def deformable_detr_pre_transformer_from_image_sizes(self, mlvl_feats, image_siz
     cols = torch.arange(input_img_w, device=image_sizes.device).view(1, 1, -1)
     masks = ((rows >= image_sizes[:, 0].view(-1, 1, 1)) | (cols >= image_sizes[:, 1].view(-1, 1, 1))).to(
         mlvl_feats[0].dtype)
+    mlvl_masks, mlvl_pos_embeds = _level_masks_and_positions(self, mlvl_feats, masks)
+    return _flatten_levels(self, mlvl_feats, mlvl_masks, mlvl_pos_embeds)
+
+
+def _level_masks_and_positions(self, mlvl_feats, masks):
+    """Each level's padding mask (``masks`` downsampled, as bool) and positional encoding, as mmdet 3.3.0 makes them."""
     mlvl_masks, mlvl_pos_embeds = [], []
     for feat in mlvl_feats:
         mlvl_masks.append(F.interpolate(masks[None], size=feat.shape[-2:]).to(torch.bool).squeeze(0))
         mlvl_pos_embeds.append(self.positional_encoding(mlvl_masks[-1]))
-    return _flatten_levels(self, mlvl_feats, mlvl_masks, mlvl_pos_embeds)
+    return mlvl_masks, mlvl_pos_embeds
 
 
 def _flatten_levels(self, mlvl_feats, mlvl_masks, mlvl_pos_embeds):
