@@ -43,6 +43,54 @@ def launch_device(tensor: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def pointer_alignment_bits(*tensors: torch.Tensor) -> int:
+    """One bit per tensor: whether its data pointer is 16-byte aligned (Triton compiles a variant per answer)."""
+    bits = 0
+    for tensor in tensors:
+        bits = (bits << 1) | (tensor.data_ptr() % 16 == 0)
+    return bits
+
+
+def _hook_set(hook) -> bool:
+    # Triton keeps its launch hooks in chains (empty unless a profiler adds one); a plain callable may be set too.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+class DirectLaunches:
+    """Launches of one Triton kernel that skip Triton's per-call argument binding once a variant has been launched.
+
+    ``kernel[grid](*args)`` binds and specialises every argument on every call, which for a kernel of twenty
+    arguments costs more host time than a small launch itself. The caller knows which properties of its arguments
+    select the compiled variant (tensor dtypes, 16-byte pointer alignment, the values of specialised integers and of
+    constexprs, whether an unspecialised integer fits 32 bits, launch options) and passes them as ``variant``. The
+    first launch of a variant goes through Triton (compiling if needed) and keeps the compiled kernel; later ones
+    call its launcher with the same arguments, as Triton's own ``run`` does. A ``variant`` must tell apart every
+    pair of calls that Triton would compile apart; finer is harmless (one more launch through Triton).
+
+    Under the interpreter, on CPU tensors and while a Triton launch hook is set (profilers use them), every launch
+    goes through Triton.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._variants: dict = {}
+
+    def launch(self, grid, variant, device: torch.device, args: tuple, num_warps: int, num_stages: int) -> None:
+        """``kernel[grid](*args, num_warps=..., num_stages=...)``; ``args`` holds every kernel parameter in
+        signature order, constexprs included."""
+        entry = self._variants.get(variant)
+        if entry is not None:
+            from triton import knobs
+            if not _hook_set(knobs.runtime.launch_enter_hook) and not _hook_set(knobs.runtime.launch_exit_hook):
+                run, function, packed_metadata = entry
+                stream = torch._C._cuda_getCurrentRawStream(device.index)
+                run(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None, None, *args)
+                return
+        compiled = self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        if device.type == "cuda" and not triton_interpreter_enabled() and hasattr(compiled, "packed_metadata"):
+            self._variants[variant] = (compiled.run, compiled.function, compiled.packed_metadata)
+
+
 def next_power_of_2(n: int) -> int:
     # Plain Python: triton.next_power_of_2 is patched (and slow) under the interpreter, and this runs every call.
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

@@ -119,6 +119,38 @@ def test_tables_changed_in_place_are_validated_again():
         multi_scale_deformable_attn(value, shapes, starts, locations, weights, backend="pytorch")
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_a_repeated_call_skips_validation_and_any_other_call_is_validated(fused, monkeypatch):
+    from deform_plugin.ops.msda import functional
+    calls = functional._fused_calls if fused else functional._plain_calls
+    validations = []
+    check = calls._check
+    monkeypatch.setattr(calls, "_check", lambda *args: validations.append(1) or check(*args))
+    op = fused_multi_scale_deformable_attn if fused else multi_scale_deformable_attn
+    make_inputs = _fused_inputs if fused else _plain_inputs
+    generator = torch.Generator().manual_seed(6)
+    shapes, starts = _tables()
+    for _ in range(3):  # new tensors of the same shapes with the same tables, as every layer of a detector
+        op(*make_inputs(generator)[:1], shapes, starts, *make_inputs(generator)[1:], backend="pytorch")
+    assert len(validations) == 1
+    inputs = make_inputs(generator, queries=20)  # another query count
+    op(inputs[0], shapes, starts, *inputs[1:], backend="pytorch")
+    assert len(validations) == 2
+    # Bad input after accepted calls with the same tables still gets its error.
+    inputs = make_inputs(generator)
+    with pytest.raises(ValueError, match=r"has shape \(2, 33, 4, 3, 2\)"):
+        op(inputs[0], shapes, starts, *inputs[1:-1], inputs[-1][..., :2], backend="pytorch")
+    with pytest.raises(TypeError, match="must be an integer tensor"):
+        op(inputs[0], shapes.float(), starts, *inputs[1:], backend="pytorch")
+    with pytest.raises(ValueError, match="has no backend 'cuda'"):
+        op(inputs[0], shapes, starts, *inputs[1:], backend="cuda")
+    # Other tables holding the same values are other tensors: validated (and read) once each.
+    other_shapes, other_starts = _tables()
+    before = len(validations)
+    op(inputs[0], other_shapes, other_starts, *inputs[1:], backend="pytorch")
+    assert len(validations) == before + 1
+
+
 @contextlib.contextmanager
 def _syncs_are_errors():
     torch.cuda.synchronize()

@@ -1,14 +1,15 @@
 """Public entry points of the MSDA op: validate, pick a backend, run it."""
 from __future__ import annotations
 
-from typing import Optional
+import weakref
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
-from ..backend import registered_backend, resolve_backend
-from .checks import check_fused_msda_inputs, check_msda_inputs
+from ..backend import get_default_backend, registered_backend, resolve_backend
+from .checks import MSDAShape, check_fused_msda_inputs, check_msda_inputs
 from .export import fused_multi_scale_deformable_attn_export, in_onnx_export, multi_scale_deformable_attn_export
 from .level_tables import host_level_tables
 from .reference import multi_scale_deformable_attn_reference, sampling_locations_from_offsets
@@ -16,6 +17,51 @@ from .reference import multi_scale_deformable_attn_reference, sampling_locations
 OP_NAME = "msda"
 # The profiler's name for the op's work (entered only while a profiler runs: the range costs a few microseconds).
 PROFILER_RANGE = "deform_plugin::msda"
+
+
+class _ValidatedCalls:
+    """The outcome of validating a call (its sizes) and resolving its backend, kept for calls that repeat it.
+
+    A detector calls the op with the same level-table tensors and the same shapes in every layer of every step, and
+    validation plus backend resolution cost more host time than the kernel launch of a decoder-sized call. A call
+    whose table tensors (the same objects, unmodified), shapes, dtypes, devices and backend choice equal those of an
+    accepted call skips both: none of them can fail where the accepted call passed. Any other call is validated in
+    full, so bad input still gets its error.
+    """
+
+    def __init__(self, check: Callable[..., MSDAShape], max_entries: int = 256):
+        self._check = check
+        self._max_entries = max_entries
+        self._entries: Dict[tuple, Tuple[weakref.ref, weakref.ref, MSDAShape, str]] = {}
+
+    def shape_and_backend(self, backend: Optional[str], value: torch.Tensor, spatial_shapes: torch.Tensor,
+                          level_start_index: torch.Tensor, *per_query: torch.Tensor) -> Tuple[MSDAShape, str]:
+        if torch.compiler.is_compiling():  # traced tensors: validate every trace (it reads no table then)
+            return self._accept(backend, value, spatial_shapes, level_start_index, per_query)
+        try:
+            key = (id(spatial_shapes), spatial_shapes._version, id(level_start_index), level_start_index._version,
+                   spatial_shapes.dtype, level_start_index.dtype, value.shape, value.dtype, value.device,
+                   tuple((t.shape, t.dtype, t.device) for t in per_query),
+                   backend, get_default_backend() if backend is None else None)
+        except AttributeError:  # not tensors: the full check names the bad argument
+            return self._accept(backend, value, spatial_shapes, level_start_index, per_query)
+        entry = self._entries.get(key)
+        # The weak references tell a table from a newer tensor that reuses a dead one's id.
+        if entry is not None and entry[0]() is spatial_shapes and entry[1]() is level_start_index:
+            return entry[2], entry[3]
+        shape, name = self._accept(backend, value, spatial_shapes, level_start_index, per_query)
+        if len(self._entries) >= self._max_entries:
+            del self._entries[next(iter(self._entries))]
+        self._entries[key] = (weakref.ref(spatial_shapes), weakref.ref(level_start_index), shape, name)
+        return shape, name
+
+    def _accept(self, backend, value, spatial_shapes, level_start_index, per_query):
+        shape = self._check(value, spatial_shapes, level_start_index, *per_query)
+        return shape, resolve_backend(OP_NAME, backend, value.device)
+
+
+_plain_calls = _ValidatedCalls(check_msda_inputs)
+_fused_calls = _ValidatedCalls(check_fused_msda_inputs)
 
 
 def multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
@@ -48,17 +94,31 @@ def multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch.Tenso
         >>> multi_scale_deformable_attn(value, shapes, starts, loc, weights).shape
         torch.Size([2, 100, 256])
     """
-    shape = check_msda_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     if in_onnx_export():  # standard ONNX operators whatever the backend (see .export)
+        check_msda_inputs(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
         return multi_scale_deformable_attn_export(value, spatial_shapes, level_start_index, sampling_locations,
                                                   attention_weights)
-    name = resolve_backend(OP_NAME, backend, value.device)
+    shape, name = _plain_calls.shape_and_backend(backend, value, spatial_shapes, level_start_index,
+                                                 sampling_locations, attention_weights)
     if shape.is_empty:
         return value.new_zeros((shape.batch, shape.num_queries, shape.num_heads * shape.head_dim))
     if _profiling():
         with record_function(PROFILER_RANGE):
             return _run(name, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     return _run(name, value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
+
+
+_triton_op_module = None
+
+
+def _triton_op():
+    # Imported at the first Triton call (the op loads without triton installed), then kept: an import statement
+    # in the call path costs host time on every call.
+    global _triton_op_module
+    if _triton_op_module is None:
+        from . import triton_op
+        _triton_op_module = triton_op
+    return _triton_op_module
 
 
 def _profiling() -> bool:
@@ -68,9 +128,8 @@ def _profiling() -> bool:
 
 def _run(name, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
     if name == "triton":
-        from .triton_op import multi_scale_deformable_attn_triton
-        return multi_scale_deformable_attn_triton(value, spatial_shapes, level_start_index, sampling_locations,
-                                                  attention_weights)
+        return _triton_op().multi_scale_deformable_attn_triton(value, spatial_shapes, level_start_index,
+                                                               sampling_locations, attention_weights)
     if name == "pytorch":
         if not torch.compiler.is_compiling():
             # The host copies the checks made: the reference then never reads a table tensor itself.
@@ -103,22 +162,23 @@ def fused_multi_scale_deformable_attn(value: torch.Tensor, spatial_shapes: torch
     Returns:
         ``(B, Q, H*D)`` in the dtype of ``value``.
     """
-    shape = check_fused_msda_inputs(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
-                                    attention_logits)
     if in_onnx_export():  # standard ONNX operators whatever the backend (see .export)
+        check_fused_msda_inputs(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                                attention_logits)
         return fused_multi_scale_deformable_attn_export(value, spatial_shapes, level_start_index, reference_points,
                                                         sampling_offsets, attention_logits)
-    name = resolve_backend(OP_NAME, backend, value.device)
+    shape, name = _fused_calls.shape_and_backend(backend, value, spatial_shapes, level_start_index, reference_points,
+                                                 sampling_offsets, attention_logits)
     if shape.is_empty:
         return value.new_zeros((shape.batch, shape.num_queries, shape.num_heads * shape.head_dim))
     if name == "triton":
-        from .triton_op import fused_multi_scale_deformable_attn_triton
+        fused_triton = _triton_op().fused_multi_scale_deformable_attn_triton
         if _profiling():
             with record_function(PROFILER_RANGE):
-                return fused_multi_scale_deformable_attn_triton(value, spatial_shapes, level_start_index,
-                                                                reference_points, sampling_offsets, attention_logits)
-        return fused_multi_scale_deformable_attn_triton(value, spatial_shapes, level_start_index, reference_points,
-                                                        sampling_offsets, attention_logits)
+                return fused_triton(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                                    attention_logits)
+        return fused_triton(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
+                            attention_logits)
     weights = attention_logits.flatten(-2).softmax(-1).view_as(attention_logits)
     locations = sampling_locations_from_offsets(reference_points, sampling_offsets, spatial_shapes)
     return multi_scale_deformable_attn(value, spatial_shapes, level_start_index, locations, weights, backend=name)

@@ -9,18 +9,22 @@ reference points, sampling offsets and attention logits, and the kernels derive 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import triton
 import triton.language as tl
 
-from ..triton_support import launch_device, next_power_of_2
+from ..triton_support import DirectLaunches, launch_device, next_power_of_2, pointer_alignment_bits
 from .triton_kernels import msda_backward_kernel, msda_forward_kernel, msda_grad_value_segments_kernel
 
 # Entries of the deterministic grad_value reduction handled per step of its loop.
 _SEGMENT_BLOCK_E = 16
+_INT32_MAX = 2 ** 31 - 1
+
+_forward_launches = DirectLaunches(msda_forward_kernel)
+_backward_launches = DirectLaunches(msda_backward_kernel)
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class LaunchConfig:
     num_stages: int = 1
 
 
+@functools.lru_cache(maxsize=None)
 def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optional[int] = None) -> LaunchConfig:
     """Blocks of about 1K elements ([32 queries x 32 channels] at head_dim 32), 4 warps, with overrides for tuning.
 
@@ -58,6 +63,14 @@ def _grad_value_buffer_dtype(value: torch.Tensor) -> torch.dtype:
 
 def _level_tables(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor, device: torch.device):
     return (spatial_shapes.to(device=device).contiguous(), level_start_index.to(device=device).contiguous())
+
+
+def _variant(device, config, tensors, num_heads, head_dim, sizes, constexprs):
+    """What selects the compiled variant of a launch (see :class:`DirectLaunches`): the tensors' dtypes and pointer
+    alignment, the specialised integers (heads, head_dim), whether the unspecialised ones (keys, queries) fit 32
+    bits, the constexprs and the launch options."""
+    return (device.index, config, tuple([t.dtype for t in tensors]), pointer_alignment_bits(*tensors), num_heads,
+            head_dim, max(sizes) <= _INT32_MAX, constexprs)
 
 
 def msda_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
@@ -88,14 +101,14 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
     shapes, starts = _level_tables(spatial_shapes, level_start_index, value.device)
     fused = reference_points is not None
     config = config or choose_config(head_dim)
-    grid = (triton.cdiv(num_queries, config.block_q), num_heads, batch)
+    grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
+    tensors = (value, shapes, starts, samples, sample_weights, reference_points if fused else samples, output)
+    constexprs = (num_levels, num_points, reference_points.shape[-1] if fused else 2, fused, config.block_q,
+                  config.block_d, next_power_of_2(num_levels * num_points), _accumulator_dtype(value))
     with launch_device(value):
-        msda_forward_kernel[grid](
-            value, shapes, starts, samples, sample_weights, reference_points if fused else samples, output,
-            num_keys, num_queries, num_heads, head_dim,
-            NUM_LEVELS=num_levels, NUM_POINTS=num_points, REF_DIM=reference_points.shape[-1] if fused else 2,
-            FUSED=fused, BLOCK_Q=config.block_q, BLOCK_D=config.block_d,
-            BLOCK_LP=next_power_of_2(num_levels * num_points), ACC_DTYPE=_accumulator_dtype(value),
+        _forward_launches.launch(
+            grid, _variant(value.device, config, tensors, num_heads, head_dim, (num_keys, num_queries), constexprs),
+            value.device, tensors + (num_keys, num_queries, num_heads, head_dim) + constexprs,
             num_warps=config.num_warps, num_stages=config.num_stages)
     return output
 
@@ -163,20 +176,18 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
 
     shapes, starts = _level_tables(spatial_shapes, level_start_index, value.device)
     config = config or choose_config(head_dim)
-    grid = (triton.cdiv(num_queries, config.block_q), num_heads, batch)
+    grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
     unused = grad_samples  # stands for pointer arguments a variant does not use
+    tensors = (grad_output, value, shapes, starts, samples, sample_weights, reference_points if fused else samples,
+               grad_value_accum if grad_value_accum is not None else unused, grad_samples, grad_sample_weights,
+               grad_ref_per_head if fused else unused, entry_keys if deterministic else unused,
+               entry_coefs if deterministic else unused)
+    constexprs = (num_levels, num_points, ref_dim, fused, deterministic, config.block_q, config.block_d,
+                  next_power_of_2(num_levels * num_points), _accumulator_dtype(value))
     with launch_device(value):
-        msda_backward_kernel[grid](
-            grad_output, value, shapes, starts, samples, sample_weights, reference_points if fused else samples,
-            grad_value_accum if grad_value_accum is not None else unused,
-            grad_samples, grad_sample_weights,
-            grad_ref_per_head if fused else unused,
-            entry_keys if deterministic else unused,
-            entry_coefs if deterministic else unused,
-            num_keys, num_queries, num_heads, head_dim,
-            NUM_LEVELS=num_levels, NUM_POINTS=num_points, REF_DIM=ref_dim, FUSED=fused,
-            DETERMINISTIC=deterministic, BLOCK_Q=config.block_q, BLOCK_D=config.block_d,
-            BLOCK_LP=next_power_of_2(num_levels * num_points), ACC_DTYPE=_accumulator_dtype(value),
+        _backward_launches.launch(
+            grid, _variant(value.device, config, tensors, num_heads, head_dim, (num_keys, num_queries), constexprs),
+            value.device, tensors + (num_keys, num_queries, num_heads, head_dim) + constexprs,
             num_warps=config.num_warps, num_stages=config.num_stages)
         if deterministic:
             grad_value = _reduce_grad_value_segments(grad_output, entry_keys, entry_coefs, value, config.block_d,

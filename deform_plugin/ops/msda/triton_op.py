@@ -160,6 +160,11 @@ def _eager(*tensors: torch.Tensor) -> bool:
         type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter) for t in tensors)
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    # Without it the autograd function's bookkeeping is host time for nothing (inference, frozen inputs).
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def multi_scale_deformable_attn_triton(value: torch.Tensor, spatial_shapes: torch.Tensor,
                                        level_start_index: torch.Tensor, sampling_locations: torch.Tensor,
                                        attention_weights: torch.Tensor) -> torch.Tensor:
@@ -169,6 +174,9 @@ def multi_scale_deformable_attn_triton(value: torch.Tensor, spatial_shapes: torc
     ``torch.use_deterministic_algorithms(True)``. Returns ``(B, Q, H*D)`` in value's dtype.
     """
     if _eager(value, sampling_locations, attention_weights):
+        if not _needs_grad(value, sampling_locations, attention_weights):
+            return triton_launch.msda_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                                              attention_weights)
         return _EagerMSDA.apply(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
     return _msda_forward_op(value, spatial_shapes, level_start_index, sampling_locations, attention_weights)
 
@@ -181,6 +189,9 @@ def fused_multi_scale_deformable_attn_triton(value: torch.Tensor, spatial_shapes
     (``reference_points`` ``(B, Q, L, 2)`` points or ``(B, Q, L, 4)`` boxes plus ``sampling_offsets``) run inside the
     kernels. Differentiable in value, reference_points, sampling_offsets and attention_logits."""
     if _eager(value, reference_points, sampling_offsets, attention_logits):
+        if not _needs_grad(value, reference_points, sampling_offsets, attention_logits):
+            return triton_launch.fused_msda_forward(value, spatial_shapes, level_start_index, reference_points,
+                                                    sampling_offsets, attention_logits)
         return _EagerFusedMSDA.apply(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,
                                      attention_logits)
     return _fused_msda_forward_op(value, spatial_shapes, level_start_index, reference_points, sampling_offsets,

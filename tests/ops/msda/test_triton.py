@@ -234,6 +234,28 @@ def test_non_contiguous_inputs():
     assert_matches_reference((value_nc, shapes, starts, locations_nc, weights_nc), torch.float32)
 
 
+def _offset_by_one_element(tensor):
+    # The same values in storage one element past an allocation's start: the data pointer loses 16-byte alignment.
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device=tensor.device)
+    return storage[1:].view_as(tensor).copy_(tensor)
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+def test_unaligned_inputs_after_aligned_ones(dtype_name):
+    """Triton compiles a variant per pointer alignment; a launch must never reuse an aligned variant for unaligned
+    pointers (on a GPU the launches after the first skip Triton's own specialisation)."""
+    dtype = DTYPES[dtype_name]
+    case = make_case([(6, 7), (3, 4)], 2, 9, 2, 16, 3, dtype)
+    for _ in range(2):  # the aligned variant first, twice
+        assert_matches_reference(case, dtype)
+    value, shapes, starts, locations, weights = case
+    unaligned = (_offset_by_one_element(value), shapes, starts, _offset_by_one_element(locations),
+                 _offset_by_one_element(weights))
+    assert all(t.data_ptr() % 16 for t in (unaligned[0], unaligned[3], unaligned[4]))
+    for _ in range(2):
+        assert_matches_reference(unaligned, dtype)
+
+
 @pytest.mark.parametrize("dtype_name", ["fp16", "bf16"])
 def test_mixed_dtypes_as_under_autocast(dtype_name):
     """Under autocast value arrives in 16 bits while locations stay float32: gradients keep each input's dtype."""
