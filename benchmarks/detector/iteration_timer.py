@@ -60,11 +60,13 @@ def images_in_batch(data_batch) -> int:
                     "mmengine's dict(inputs=list or tensor, ...)")
 
 
-def padded_batch_shape(data_batch, size_divisor: int) -> Optional[Tuple[Tuple[int, int], int, int]]:
+def padded_batch_shape(data_batch, size_divisor: int, fixed_size: Optional[Tuple[int, int]] = None
+                       ) -> Optional[Tuple[Tuple[int, int], int, int]]:
     """((height, width) the data preprocessor pads the batch to, padded pixels, image pixels), or None.
 
     mmengine's ``ImgDataPreprocessor`` pads a list of CHW images to the largest height and width, rounded up to
-    ``size_divisor``.
+    ``size_divisor``; a ``fixed_size`` (mmdet's ``BatchFixedSizePad`` batch augment, as in Mask2Former's LSJ configs)
+    then pads each side up to at least its size.
     """
     inputs = data_batch.get("inputs") if isinstance(data_batch, dict) else None
     if not isinstance(inputs, (list, tuple)) or not inputs or not all(
@@ -74,7 +76,17 @@ def padded_batch_shape(data_batch, size_divisor: int) -> Optional[Tuple[Tuple[in
     widths = [int(i.shape[-1]) for i in inputs]
     divisor = max(int(size_divisor), 1)
     shape = (-(-max(heights) // divisor) * divisor, -(-max(widths) // divisor) * divisor)
+    if fixed_size is not None:
+        shape = (max(shape[0], int(fixed_size[0])), max(shape[1], int(fixed_size[1])))
     return shape, len(inputs) * shape[0] * shape[1], sum(h * w for h, w in zip(heights, widths))
+
+
+def fixed_pad_size(preprocessor) -> Optional[Tuple[int, int]]:
+    """The size of mmdet's ``BatchFixedSizePad`` among the preprocessor's batch augments, or None."""
+    for augment in getattr(preprocessor, "batch_augments", None) or ():
+        if type(augment).__name__ == "BatchFixedSizePad":
+            return tuple(augment.size)
+    return None
 
 
 def compiled_variants_if_loaded() -> Optional[Dict[str, int]]:
@@ -176,8 +188,9 @@ class IterationTimerHook(Hook):
             self._peak_allocated = max(self._peak_allocated, torch.cuda.max_memory_allocated())
             self._peak_reserved = max(self._peak_reserved, torch.cuda.max_memory_reserved())
         model = getattr(runner.model, "module", runner.model)
-        padded = padded_batch_shape(data_batch, getattr(getattr(model, "data_preprocessor", None),
-                                                        "pad_size_divisor", 1))
+        preprocessor = getattr(model, "data_preprocessor", None)
+        padded = padded_batch_shape(data_batch, getattr(preprocessor, "pad_size_divisor", 1),
+                                    fixed_pad_size(preprocessor))
         if padded is not None:
             shape, padded_pixels, image_pixels = padded
             if shape not in self._shapes and iteration > self.warmup_iters:

@@ -265,6 +265,25 @@ def test_timer_counts_padded_batch_shapes_and_pixels(tmp_path):
     assert result["padded_over_image_pixels"] == pytest.approx(2 * (64 * 96 + 64 * 64 + 64 * 96) / image_pixels)
 
 
+def test_timer_counts_the_fixed_size_pad_of_lsj_configs(tmp_path):
+    from mmdet.models.data_preprocessors import BatchFixedSizePad
+    model = torch.nn.Module()
+    model.data_preprocessor = SimpleNamespace(pad_size_divisor=32, batch_augments=[BatchFixedSizePad(size=(96, 128))])
+    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=model, optim_wrapper=None)
+    hook = IterationTimerHook(windows=[(1, 3)], warmup_iters=1, out_file=str(tmp_path / "t.json"), clock=FakeClock())
+    sizes = [[(40, 60), (30, 70)], [(96, 128), (50, 50)], [(33, 65), (10, 10)], [(100, 40), (20, 20)]]
+    hook.before_train(runner)
+    for batch_idx, batch in enumerate(sizes):
+        images = [torch.zeros(3, h, w, dtype=torch.uint8) for h, w in batch]
+        hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=images))
+    hook.after_train(runner)
+    result = json.loads((tmp_path / "t.json").read_text())
+    # Every batch padded to 96x128, except the one with a taller image (128x128 after the divisor).
+    assert (result["batch_shapes"], result["batch_shapes_after_warmup"]) == (2, 1)
+    image_pixels = sum(h * w for batch in sizes for h, w in batch)
+    assert result["padded_over_image_pixels"] == pytest.approx(2 * (3 * 96 * 128 + 128 * 128) / image_pixels)
+
+
 def test_timer_rejects_bad_windows():
     with pytest.raises(ValueError, match=r"window \(3, 2\)"):
         IterationTimerHook(windows=[(3, 2)])
