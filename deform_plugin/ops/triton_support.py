@@ -74,20 +74,23 @@ class DirectLaunches:
     def __init__(self, kernel):
         self.kernel = kernel
         self._variants: dict = {}
+        self._runtime_knobs = None
 
     def launch(self, grid, variant, device: torch.device, args: tuple, num_warps: int, num_stages: int) -> None:
         """``kernel[grid](*args, num_warps=..., num_stages=...)``; ``args`` holds every kernel parameter in
         signature order, constexprs included."""
         entry = self._variants.get(variant)
         if entry is not None:
-            from triton import knobs
-            if not _hook_set(knobs.runtime.launch_enter_hook) and not _hook_set(knobs.runtime.launch_exit_hook):
+            runtime = self._runtime_knobs
+            if not _hook_set(runtime.launch_enter_hook) and not _hook_set(runtime.launch_exit_hook):
                 run, function, packed_metadata = entry
                 stream = torch._C._cuda_getCurrentRawStream(device.index)
                 run(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None, None, *args)
                 return
         compiled = self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
         if device.type == "cuda" and not triton_interpreter_enabled() and hasattr(compiled, "packed_metadata"):
+            from triton import knobs  # kept, so that a direct launch runs no import statement
+            self._runtime_knobs = knobs.runtime
             self._variants[variant] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 

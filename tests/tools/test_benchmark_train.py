@@ -247,19 +247,24 @@ def test_timer_counts_our_compiles_and_checks_the_plugin(tmp_path):
         stock_hook.before_train(SimpleNamespace(iter=0))
 
 
-def test_timer_counts_padded_batch_shapes_and_pixels(tmp_path):
-    model, wrapper = torch.nn.Module(), torch.nn.Module()  # the wrapper stands for DDP's
-    model.data_preprocessor = SimpleNamespace(pad_size_divisor=32)
-    wrapper.module = model
-    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=wrapper, optim_wrapper=None)
+def _timed_batches(tmp_path, model, sizes):
+    """The timing hook's result after one batch of images of each ``sizes`` entry."""
+    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=model, optim_wrapper=None)
     hook = IterationTimerHook(windows=[(1, 3)], warmup_iters=1, out_file=str(tmp_path / "t.json"), clock=FakeClock())
-    sizes = [[(40, 60), (30, 70)], [(64, 64), (50, 50)], [(33, 65), (10, 10)]]  # padded: 64x96, 64x64, 64x96
     hook.before_train(runner)
     for batch_idx, batch in enumerate(sizes):
         images = [torch.zeros(3, h, w, dtype=torch.uint8) for h, w in batch]
         hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=images))
     hook.after_train(runner)
-    result = json.loads((tmp_path / "t.json").read_text())
+    return json.loads((tmp_path / "t.json").read_text())
+
+
+def test_timer_counts_padded_batch_shapes_and_pixels(tmp_path):
+    model, wrapper = torch.nn.Module(), torch.nn.Module()  # the wrapper stands for DDP's
+    model.data_preprocessor = SimpleNamespace(pad_size_divisor=32)
+    wrapper.module = model
+    sizes = [[(40, 60), (30, 70)], [(64, 64), (50, 50)], [(33, 65), (10, 10)]]  # padded: 64x96, 64x64, 64x96
+    result = _timed_batches(tmp_path, wrapper, sizes)
     assert (result["batch_shapes"], result["batch_shapes_after_warmup"]) == (2, 1)
     image_pixels = sum(h * w for batch in sizes for h, w in batch)
     assert result["padded_over_image_pixels"] == pytest.approx(2 * (64 * 96 + 64 * 64 + 64 * 96) / image_pixels)
@@ -269,15 +274,8 @@ def test_timer_counts_the_fixed_size_pad_of_lsj_configs(tmp_path):
     from mmdet.models.data_preprocessors import BatchFixedSizePad
     model = torch.nn.Module()
     model.data_preprocessor = SimpleNamespace(pad_size_divisor=32, batch_augments=[BatchFixedSizePad(size=(96, 128))])
-    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=model, optim_wrapper=None)
-    hook = IterationTimerHook(windows=[(1, 3)], warmup_iters=1, out_file=str(tmp_path / "t.json"), clock=FakeClock())
     sizes = [[(40, 60), (30, 70)], [(96, 128), (50, 50)], [(33, 65), (10, 10)], [(100, 40), (20, 20)]]
-    hook.before_train(runner)
-    for batch_idx, batch in enumerate(sizes):
-        images = [torch.zeros(3, h, w, dtype=torch.uint8) for h, w in batch]
-        hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=images))
-    hook.after_train(runner)
-    result = json.loads((tmp_path / "t.json").read_text())
+    result = _timed_batches(tmp_path, model, sizes)
     # Every batch padded to 96x128, except the one with a taller image (128x128 after the divisor).
     assert (result["batch_shapes"], result["batch_shapes_after_warmup"]) == (2, 1)
     image_pixels = sum(h * w for batch in sizes for h, w in batch)
