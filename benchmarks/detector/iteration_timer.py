@@ -89,6 +89,20 @@ def fixed_pad_size(preprocessor) -> Optional[Tuple[int, int]]:
     return None
 
 
+def _graphed_training_stats(model) -> Optional[dict]:
+    """What the graph-replayed training did (captures, their host seconds, eager calls, replays), summed over the
+    model's graphed regions; None without any."""
+    regions = [module.graphed_training_region for module in (model.modules() if model is not None else ())
+               if getattr(module, "graphed_training_region", None) is not None]
+    if not regions:
+        return None
+    return dict(captures=sum(len(region.captured) for region in regions),
+                capture_seconds=sum(region.capture_seconds for region in regions),
+                eager_calls=sum(region.eager_calls for region in regions),
+                replays=sum(region.replays for region in regions),
+                fallbacks=sum(len(region.eager_reasons) for region in regions))
+
+
 def compiled_variants_if_loaded() -> Optional[Dict[str, int]]:
     """Compiled Triton variants per deform_plugin kernel, or None where deform_plugin is not imported."""
     if PLUGIN_MODULE not in sys.modules:
@@ -248,6 +262,7 @@ class IterationTimerHook(Hook):
             cuda=torch.version.cuda if self._uses_cuda else None,
             peak_allocated_mib=self._peak_allocated / 2 ** 20 if self._uses_cuda else None,
             peak_reserved_mib=self._peak_reserved / 2 ** 20 if self._uses_cuda else None,
+            graphed_training=_graphed_training_stats(getattr(runner, "model", None)),
         )
 
     def output_path(self, runner) -> Path:

@@ -73,7 +73,7 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
                    steady_img_s=None, steady_ms_per_iter=None, all_img_s=None, first_img_s=None,
                    all_over_steady=None, compiled_total=None, compiled_after_warmup=None, batch_shapes=None,
                    batch_shapes_after_warmup=None, padded_over_image_pixels=None, peak_allocated_mib=None,
-                   speedup=None, amp_dtype=None)
+                   speedup=None, amp_dtype=None, graph_captures=None, graph_capture_seconds=None)
     timing = result.get("timing")
     if not timing:
         return metrics
@@ -92,6 +92,9 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
         peak_allocated_mib=timing.get("peak_allocated_mib"),
         amp_dtype=timing.get("amp_dtype"),
     )
+    graphed = timing.get("graphed_training")
+    if graphed:
+        metrics.update(graph_captures=graphed["captures"], graph_capture_seconds=graphed["capture_seconds"])
     if steady and metrics["all_img_s"]:
         metrics["all_over_steady"] = metrics["all_img_s"] / steady
     return metrics
@@ -138,18 +141,21 @@ def markdown(report: dict) -> str:
         f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
         f"| img/s it {whole[0]}-{whole[1]} | img/s it {first[0]}-{first[1]} | {whole[0]}-{whole[1]} / steady "
         f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "
-        f"| padded px / image px | peak MiB | speedup |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        f"| graph captures (host s) | padded px / image px | peak MiB | speedup |",
+        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for m in report["rows"]:
         compiled = "-" if m["compiled_total"] is None else (
             f"{m['compiled_total']} ({_fmt(m['compiled_after_warmup'], 'd')})")
         shapes = "-" if m["batch_shapes"] is None else (
             f"{m['batch_shapes']} ({_fmt(m['batch_shapes_after_warmup'], 'd')})")
+        captures = "-" if m["graph_captures"] is None else (
+            f"{m['graph_captures']} ({_fmt(m['graph_capture_seconds'], '.1f')})")
         lines.append(
             f"| {m['config']} | {m['row']} | {m['status']} | {_fmt(m['steady_img_s'])} "
             f"| {_fmt(m['steady_ms_per_iter'], '.1f')} | {_fmt(m['all_img_s'])} | {_fmt(m['first_img_s'])} "
-            f"| {_fmt(m['all_over_steady'])} | {compiled} | {shapes} | {_fmt(m['padded_over_image_pixels'])} "
+            f"| {_fmt(m['all_over_steady'])} | {compiled} | {shapes} | {captures} "
+            f"| {_fmt(m['padded_over_image_pixels'])} "
             f"| {_fmt(m['peak_allocated_mib'], '.0f')} "
             f"| {_fmt(m['speedup'], '.2f', 'x')} |")
     failed = [r for r in report["results"] if r["status"] != "ok"]

@@ -282,6 +282,50 @@ def test_sync_free_forward_gives_the_stock_outputs_bitwise_and_reads_no_table(co
         assert torch.equal(ours, theirs) and torch.equal(again, theirs)
 
 
+def test_mask_boxes_are_mmdets_mask2bbox():
+    from mmdet.structures.mask import mask2bbox
+
+    from deform_plugin.integration.mmdet_fast_paths.sync_free_forward import mask_boxes
+    generator = torch.Generator().manual_seed(0)
+    masks = torch.rand(12, 17, 23, generator=generator) > 0.97
+    masks[0] = False  # empty
+    masks[1] = True  # full
+    masks[2] = False
+    masks[2, 16, 22] = True  # one corner pixel
+    masks[3] = False
+    masks[3, 0, 0] = True
+    masks[4] = False
+    masks[4, 5, 3:9] = True  # one row
+    masks[5] = False
+    masks[5, 2:11, 7] = True  # one column
+    ours = mask_boxes(masks)
+    assert ours.dtype == torch.float32 and torch.equal(ours, mask2bbox(masks))
+    assert torch.equal(mask_boxes(masks[:0]), mask2bbox(masks[:0]))
+
+
+@pytest.mark.parametrize("num_stuff_classes", [0, 5])
+def test_sync_free_instance_postprocess_is_stock(num_stuff_classes):
+    from mmdet.models.seg_heads.panoptic_fusion_heads import MaskFormerFusionHead
+
+    from deform_plugin.integration.mmdet_fast_paths.sync_free_forward import enable_sync_free_forward
+    head = MaskFormerFusionHead(num_things_classes=8, num_stuff_classes=num_stuff_classes,
+                                test_cfg=dict(max_per_image=30))
+    fast = copy.deepcopy(head)
+    model = torch.nn.Sequential(fast)
+    enable_sync_free_forward(model)
+    assert "instance_postprocess" in vars(fast)
+    generator = torch.Generator().manual_seed(1)
+    mask_cls = torch.randn(12, 8 + num_stuff_classes + 1, generator=generator, dtype=torch.float64)
+    mask_pred = torch.randn(12, 19, 21, generator=generator, dtype=torch.float64) - 1.5
+    mask_pred[3] = -1.0  # a query with an empty mask
+    expected = head.instance_postprocess(mask_cls, mask_pred)
+    got = fast.instance_postprocess(mask_cls, mask_pred)
+    assert set(got.keys()) == set(expected.keys())
+    for key in expected.keys():
+        assert torch.equal(got[key], expected[key]), key
+    assert len(expected) < 30 if num_stuff_classes else len(expected) == 30
+
+
 # ---- batched losses -----------------------------------------------------------------------------------------------
 
 def _losses_and_gradients(head, inputs):

@@ -1,8 +1,8 @@
 """Graph-replayed training gives the eager step's losses and gradients.
 
-- on the CPU, the captured region of Deformable-DETR two-stage and DINO (padding masks from a device tensor of
-  image sizes), run eagerly and replayed from emulated graphs, gives the stock ``loss`` to float64 rounding,
-  dropout included;
+- on the CPU, the captured region of Deformable-DETR two-stage, DINO (padding masks from a device tensor of image
+  sizes; DINO's denoising queries padded to a fixed count) and Mask2Former, run eagerly and replayed from emulated
+  graphs, gives the stock ``loss`` to float64 rounding (Mask2Former: float32), dropout included;
 - :class:`GraphedRegion`'s replay machinery (static buffers shared by signatures, the autograd function, gradient
   copies, fallbacks) with graphs emulated on the CPU by re-running the captured work;
 - on a GPU, real CUDA graphs: losses and gradients over optimizer steps and two input shapes equal eager.
@@ -199,6 +199,56 @@ def test_graphed_region_replays_equal_eager_and_accumulate_gradients():
     assert net.unused.weight.grad is None and net.frozen.weight.grad is None
     # Per signature: warm-up eagerly, then capture and replay.
     assert (region.eager_calls, region.replays, len(region.captured)) == (2, 4, 2)
+
+
+def test_inputs_that_require_grad_get_their_gradients_from_the_replay():
+    # DINO's denoising label queries are looked up outside the region and enter it as inputs.
+    torch.manual_seed(0)
+    net, outside = _Net().double(), nn.Linear(6, 6).double()
+    eager_net, eager_outside = copy.deepcopy(net), copy.deepcopy(outside)
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region")
+    eager = _small_region(eager_net)
+    generator = torch.Generator().manual_seed(1)
+    for i in range(4):
+        x = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+        scale = torch.rand(4, generator=generator, dtype=torch.float64)
+        ours, _ = _step(region, outside(x), scale, i)
+        theirs, _ = _step(eager, eager_outside(x), scale, i)
+        torch.testing.assert_close(ours["out"], theirs["out"], rtol=0, atol=0)
+        for p, q in zip(list(net.parameters()) + list(outside.parameters()),
+                        list(eager_net.parameters()) + list(eager_outside.parameters())):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+    assert (region.eager_calls, region.replays) == (1, 3)
+    # A call whose input does not require grad is another signature.
+    with torch.no_grad():
+        plain = outside(x)
+    region(plain, scale)
+    assert region.eager_calls == 2
+
+
+@pytest.mark.parametrize("max_num_target", [0, 1, 3, 7, 25])
+def test_the_padded_denoising_mask_is_mmdets_for_the_real_queries(max_num_target):
+    from mmdet.models.layers import CdnQueryGenerator
+
+    from deform_plugin.integration.mmdet_fast_paths.graphed_training import (_padded_denoising_count,
+                                                                             padded_denoising_mask)
+    num_matching = 10
+    generator = CdnQueryGenerator(num_classes=80, embed_dims=32, num_matching_queries=num_matching,
+                                  group_cfg=dict(dynamic=True, num_dn_queries=20))
+    num_groups = generator.get_num_groups(max_num_target)
+    stock = generator.generate_dn_mask(max_num_target, num_groups, device="cpu")
+    num_denoising = 2 * max_num_target * num_groups
+    padded = _padded_denoising_count(generator, num_denoising)
+    # Up to 20 targets the count is fixed (2 * num_dn_queries); 25 targets make one group of 50 queries.
+    assert padded == (40 if max_num_target <= 20 else 64)
+    ours = padded_denoising_mask(num_denoising, 2 * max_num_target, padded, num_matching, "cpu")
+    real = torch.cat([torch.arange(num_denoising), torch.arange(padded, padded + num_matching)])
+    padding = torch.arange(num_denoising, padded)
+    assert torch.equal(ours[real][:, real], stock)
+    assert ours[real][:, padding].all() and ours[padding][:, real].all()
+    assert torch.equal(ours[padding][:, padding], ~torch.eye(len(padding), dtype=torch.bool))
 
 
 def test_freezing_a_layer_or_switching_mode_captures_anew():

@@ -282,6 +282,17 @@ def test_timer_counts_the_fixed_size_pad_of_lsj_configs(tmp_path):
     assert result["padded_over_image_pixels"] == pytest.approx(2 * (3 * 96 * 128 + 128 * 128) / image_pixels)
 
 
+def test_timer_reports_the_graph_captures_of_graphed_training(tmp_path):
+    region = SimpleNamespace(captured={"a": 1, "b": 2}, capture_seconds=1.5, eager_calls=3, replays=7,
+                             eager_reasons={"c": "too many"})
+    detector = torch.nn.Linear(2, 2)
+    detector.graphed_training_region = region
+    model = torch.nn.Sequential(detector)
+    result = _timed_batches(tmp_path, model, [[(32, 32)]])
+    assert result["graphed_training"] == dict(captures=2, capture_seconds=1.5, eager_calls=3, replays=7, fallbacks=1)
+    assert _timed_batches(tmp_path, torch.nn.Linear(2, 2), [[(32, 32)]])["graphed_training"] is None
+
+
 def test_timer_rejects_bad_windows():
     with pytest.raises(ValueError, match=r"window \(3, 2\)"):
         IterationTimerHook(windows=[(3, 2)])

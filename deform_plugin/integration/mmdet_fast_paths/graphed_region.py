@@ -10,6 +10,9 @@ tensors (or None) computed on the device, ``constants`` anything that is the sam
 - the second time, it captures the forward and the backward (``torch.autograd.grad`` of the differentiable outputs
   with respect to the trainable parameters) and replays them from then on.
 
+Inputs that require grad (for example query embeddings looked up outside the region) get their gradients from the
+backward graph too; the others are data (images, sizes, masks).
+
 Replays are exact: the same kernels run on the same values (dropout draws other random numbers than an eager run,
 from the same distribution). The values the graphs read are the static input buffers (each call's inputs are copied
 in), the parameters (updated in place by the optimizer) and the constants; anything else the function reads on the
@@ -24,6 +27,7 @@ too.
 """
 from __future__ import annotations
 
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -56,6 +60,8 @@ class _Captured:
         self.forward_graph: Optional[torch.cuda.CUDAGraph] = None
         self.backward_graph: Optional[torch.cuda.CUDAGraph] = None
         self.static_inputs: List[torch.Tensor] = []
+        self.input_needs_grad: List[bool] = []
+        self.static_input_grads: List[Optional[torch.Tensor]] = []
         self.static_outputs: List[Optional[torch.Tensor]] = []
         self.output_spec = None
         self.differentiable: List[bool] = []
@@ -84,7 +90,7 @@ class _Replay(torch.autograd.Function):
         for static, value in zip(entry.static_inputs, inputs_and_params[:num_inputs]):
             static.copy_(value)
         region.replay_forward(entry)
-        ctx.region, ctx.entry, ctx.num_inputs = region, entry, num_inputs
+        ctx.region, ctx.entry = region, entry
         outputs = tuple(out.detach() for out in entry.static_outputs if out is not None)
         ctx.mark_non_differentiable(*[out for out, differentiable in zip(outputs, entry.differentiable)
                                       if not differentiable])
@@ -100,16 +106,16 @@ class _Replay(torch.autograd.Function):
                 static.zero_()
             else:
                 static.copy_(grad)
-        param_grads = ctx.region.replay_backward(entry)
-        return (None, None, None) + (None,) * ctx.num_inputs + tuple(param_grads)
+        input_grads, param_grads = ctx.region.replay_backward(entry)
+        return (None, None, None) + tuple(input_grads) + tuple(param_grads)
 
 
 class GraphedRegion:
     """Run ``fn`` eagerly on a signature's first call, from captured CUDA graphs on later calls.
 
     Args:
-        fn: ``fn(*inputs) -> (outputs, constants)``; ``inputs`` are tensors on one CUDA device that nothing
-            differentiates (images, sizes), ``outputs`` a pytree of tensors and Nones.
+        fn: ``fn(*inputs) -> (outputs, constants)``; ``inputs`` are tensors on one CUDA device (data such as
+            images and sizes, or tensors that require grad), ``outputs`` a pytree of tensors and Nones.
         module: the module whose trainable parameters the backward graph differentiates.
         name: used in log lines.
         max_graphs: signatures captured at most; later new signatures run eagerly.
@@ -131,18 +137,20 @@ class GraphedRegion:
         self.pool = None
         self.replays = 0
         self.eager_calls = 0
+        self.capture_seconds = 0.0  # host time spent capturing (benchmarks report it)
         # The autograd node of the last replay until its backward runs (weakly: a graph dropped without a backward
         # frees the region).
         self.awaiting_backward: Optional[weakref.ref] = None
 
     # -- what a call runs -------------------------------------------------------------------------------------------
     def signature(self, inputs: Sequence[torch.Tensor]) -> tuple:
-        """What a capture depends on besides the input values: shapes, dtypes, devices, the autocast state, the
-        module's train/eval mode and which parameters are trainable (a graph differentiates a fixed set)."""
+        """What a capture depends on besides the input values: shapes, dtypes, devices and which inputs require
+        grad, the autocast state, the module's train/eval mode and which parameters are trainable (a graph
+        differentiates a fixed set)."""
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         trainable = sum(p.requires_grad for p in self.module.parameters())
-        return tuple((tuple(x.shape), x.dtype, x.device) for x in inputs) + (autocast, self.module.training,
-                                                                             trainable)
+        return tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in inputs) + (
+            autocast, self.module.training, trainable)
 
     def __call__(self, *inputs: torch.Tensor) -> Tuple[Any, Any]:
         if not (torch.is_grad_enabled() and all(x.device.type == self.device_type for x in inputs)):
@@ -189,20 +197,26 @@ class GraphedRegion:
     def replay_forward(self, entry: _Captured) -> None:
         entry.forward_graph.replay()
 
-    def replay_backward(self, entry: _Captured) -> List[Optional[torch.Tensor]]:
+    def replay_backward(self, entry: _Captured) -> Tuple[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+        """The gradients of the inputs and of the parameters (None where there is none)."""
         entry.backward_graph.replay()
         self.awaiting_backward = None
-        used = [self.param_grad_buffers[id(p)] for p, has in zip(entry.params, entry.param_has_grad) if has]
+        grads = entry.static_input_grads + [self.param_grad_buffers[id(p)] if has else None
+                                            for p, has in zip(entry.params, entry.param_has_grad)]
+        used = [grad for grad in grads if grad is not None]
         # Copies: autograd may keep a returned gradient as the parameter's .grad, and the next replay overwrites
         # these buffers.
         copies = iter(torch._foreach_mul(used, 1.0)) if used else iter(())
-        return [next(copies) if has else None for has in entry.param_has_grad]
+        grads = [None if grad is None else next(copies) for grad in grads]
+        return grads[:len(entry.static_input_grads)], grads[len(entry.static_input_grads):]
 
     # -- capture ----------------------------------------------------------------------------------------------------
     def _capture_or_fall_back(self, key, inputs) -> Optional[_Captured]:
+        started = time.perf_counter()
         try:
             entry = self.capture(inputs)
         except RuntimeError as error:  # torch.AcceleratorError is one
+            self.capture_seconds += time.perf_counter() - started
             reason = str(error).splitlines()[0]
             if inputs[0].is_cuda:
                 try:
@@ -214,6 +228,7 @@ class GraphedRegion:
                                        "fast path off for this model") from error
             self._fall_back(key, f"its capture failed ({reason})")
             return None
+        self.capture_seconds += time.perf_counter() - started
         self.captured[key] = entry
         return entry
 
@@ -222,8 +237,15 @@ class GraphedRegion:
         device = inputs[0].device
         entry = _Captured()
         entry.static_inputs = [self.shared.view_like(("input", i), x) for i, x in enumerate(inputs)]
-        for static, value in zip(entry.static_inputs, inputs):
-            static.copy_(value)
+        entry.input_needs_grad = [x.requires_grad for x in inputs]
+        with torch.no_grad():
+            for static, value in zip(entry.static_inputs, inputs):
+                static.copy_(value)
+        # What the captured forward reads: the static buffers, as fresh leaves where the input requires grad.
+        region_inputs = tuple(static.detach().requires_grad_() if needs else static
+                              for static, needs in zip(entry.static_inputs, entry.input_needs_grad))
+        input_indices = [i for i, needs in enumerate(entry.input_needs_grad) if needs]
+        input_leaves = [region_inputs[i] for i in input_indices]
         named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
         entry.params = [p for _, p in named]
         for p in entry.params:
@@ -241,7 +263,7 @@ class GraphedRegion:
 
         def run_forward():
             outputs, constants = torch.func.functional_call(
-                holder, {f"module.{name}": alias for name, alias in aliases.items()}, tuple(entry.static_inputs))
+                holder, {f"module.{name}": alias for name, alias in aliases.items()}, region_inputs)
             leaves, spec = pytree.tree_flatten(outputs)
             if entry.output_spec is None:
                 entry.output_spec, entry.constants = spec, constants
@@ -261,11 +283,19 @@ class GraphedRegion:
             if not entry.static_output_grads:
                 entry.static_output_grads = [self.shared.view_like(("output_grad", i), leaf)
                                              for i, leaf in enumerate(differentiable)]
-            grads = torch.autograd.grad(differentiable, list(aliases.values()), grad_outputs=entry.static_output_grads,
-                                        allow_unused=True)
+            grads = torch.autograd.grad(differentiable, input_leaves + list(aliases.values()),
+                                        grad_outputs=entry.static_output_grads, allow_unused=True)
+            input_grads, grads = grads[:len(input_leaves)], grads[len(input_leaves):]
+            if not entry.static_input_grads:
+                entry.static_input_grads = [None] * len(inputs)
+                for i, grad in zip(input_indices, input_grads):
+                    if grad is not None:
+                        entry.static_input_grads[i] = self.shared.view_like(("input_grad", i), grad)
             entry.param_has_grad = [grad is not None for grad in grads]
             pairs = [(self.param_grad_buffers[id(p)], grad) for p, grad in zip(entry.params, grads)
                      if grad is not None]
+            pairs += [(entry.static_input_grads[i], grad) for i, grad in zip(input_indices, input_grads)
+                      if grad is not None]
             if pairs:
                 torch._foreach_copy_([buffer for buffer, _ in pairs], [grad for _, grad in pairs])
 

@@ -6,9 +6,13 @@ The captured region is the part of mmdet 3.3.0's ``loss`` that depends only on t
 - Deformable-DETR (plain, refine, two-stage): backbone, neck, encoder, ``pre_decoder`` (the two-stage top-k
   proposals), decoder and the head's class and box branches; matching and losses run eagerly on the replayed
   outputs;
-- DINO (and detectors with DINO's ``forward_transformer``): backbone, neck and encoder; ``pre_decoder`` builds the
-  denoising queries from the ground truth (their number changes with the boxes of the batch), so it, the decoder,
-  the head and the losses run eagerly;
+- DINO: backbone, neck, encoder, ``pre_decoder``'s top-k proposals, decoder and the head's class and box
+  branches. The denoising queries come from the ground truth (their number changes with the boxes of the batch):
+  they are made eagerly by mmdet's own generator, then padded to a fixed count (twice ``num_dn_queries``) and
+  enter the region as inputs, the label queries with their gradient. Padding queries attend only to themselves and
+  no other query attends to them, so the real queries' outputs are those of the unpadded decoder; the padding is cut
+  from the outputs before the eager matching and losses. Detectors that keep DINO's ``forward_transformer`` but
+  change its pieces (DDQ-DETR's ``pre_decoder``) capture backbone, neck and encoder only;
 - Mask2Former: backbone, pixel decoder and the masked-attention decoder with its class and mask predictions (its
   forward ignores the image sizes); the point-sampled matching and losses run eagerly.
 
@@ -21,7 +25,7 @@ region runs eagerly.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -84,15 +88,33 @@ def _mask2former_region_and_tail(detector):
     return network, tail
 
 
-def _region_and_tail(detector):
-    """The captured function of ``detector``, whether it takes the image sizes, and the eager rest of its loss; or
-    None if it has none of the known shapes."""
+class _GraphedLoss(NamedTuple):
+    """A detector's training loss split around its captured region: ``region_inputs(batch_inputs, samples)`` gives
+    the region's inputs and what the tail needs to know of them, ``region(*inputs)`` runs in the graph, and
+    ``tail(outputs, constants, samples, context)`` computes the losses eagerly."""
+    region: Callable
+    region_inputs: Callable
+    tail: Callable
+
+
+def _region_and_tail(detector) -> Optional[_GraphedLoss]:
+    """The captured function of ``detector``, how its inputs are made and the eager rest of its loss; or None if it
+    has none of the known shapes."""
     from mmdet.models.detectors import MaskFormer
     if isinstance(detector, MaskFormer):
         pieces = _mask2former_region_and_tail(detector)
-        return None if pieces is None else (pieces[0], False, pieces[1])
+        if pieces is None:
+            return None
+        network, tail = pieces
+        return _GraphedLoss(network, lambda batch_inputs, samples: ((batch_inputs,), None),
+                            lambda outputs, constants, samples, _: tail(outputs, constants, samples))
     pieces = _detr_region_and_tail(detector)
-    return None if pieces is None else (pieces[0], True, pieces[1])
+    if pieces is None or isinstance(pieces, _GraphedLoss):
+        return pieces
+    network, tail = pieces
+    return _GraphedLoss(network, lambda batch_inputs, samples: (
+        (batch_inputs, _image_sizes(samples, batch_inputs.device)), None),
+        lambda outputs, constants, samples, _: tail(outputs, constants, samples))
 
 
 def _detr_region_and_tail(detector):
@@ -133,6 +155,10 @@ def _detr_region_and_tail(detector):
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
         return transformer_only, head_tail
     if transformer is DINO.forward_transformer:
+        whole = _dino_graphed_loss(detector)
+        if whole is not None:
+            return whole
+
         def backbone_and_encoder(batch_inputs, image_sizes):
             encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
             outputs = dict(memory=encoder_outputs["memory"], memory_mask=encoder_outputs["memory_mask"],
@@ -151,6 +177,110 @@ def _detr_region_and_tail(detector):
     return None
 
 
+def _denoising_queries(generator, batch_data_samples):
+    """mmdet 3.3.0's ``CdnQueryGenerator.__call__`` without its attention mask (the padded one is made here):
+    the label and box queries, each image's targets repeated in ``2 * num_groups`` groups, and the group size."""
+    gt_labels_list, gt_bboxes_list = [], []
+    for sample in batch_data_samples:
+        img_h, img_w = sample.img_shape
+        bboxes = sample.gt_instances.bboxes
+        gt_bboxes_list.append(bboxes / bboxes.new_tensor([img_w, img_h, img_w, img_h]).unsqueeze(0))
+        gt_labels_list.append(sample.gt_instances.labels)
+    gt_labels, gt_bboxes = torch.cat(gt_labels_list), torch.cat(gt_bboxes_list)
+    max_num_target = max(len(bboxes) for bboxes in gt_bboxes_list)
+    num_groups = generator.get_num_groups(max_num_target)
+    label_query = generator.generate_dn_label_query(gt_labels, num_groups)
+    bbox_query = generator.generate_dn_bbox_query(gt_bboxes, num_groups)
+    batch_idx = torch.cat([torch.full_like(labels.long(), i) for i, labels in enumerate(gt_labels_list)])
+    label_query, bbox_query = generator.collate_dn_queries(label_query, bbox_query, batch_idx,
+                                                           len(batch_data_samples), num_groups)
+    dn_meta = dict(num_denoising_queries=int(max_num_target * 2 * num_groups), num_denoising_groups=num_groups)
+    return label_query, bbox_query, 2 * max_num_target, dn_meta
+
+
+def padded_denoising_mask(num_denoising: int, group_size: int, padded: int, num_matching: int,
+                          device) -> torch.Tensor:
+    """DINO's self-attention mask (True: may not attend) for ``num_denoising`` denoising queries in groups of
+    ``group_size``, padded with queries up to ``padded``, then ``num_matching`` matching queries. The real
+    queries' mask is mmdet's ``generate_dn_mask`` (a denoising query sees its group and the matching queries, a
+    matching query the matching queries); a padding query sees only itself, and no other query sees it."""
+    index = torch.arange(padded + num_matching, device=device)
+    denoising, matching = index < num_denoising, index >= padded
+    group = index // max(group_size, 1)
+    allowed = ((denoising[:, None] & ((denoising[None, :] & (group[:, None] == group[None, :])) | matching[None, :]))
+               | (matching[:, None] & matching[None, :]) | (index[:, None] == index[None, :]))
+    return ~allowed
+
+
+def _padded_denoising_count(generator, num_denoising: int) -> int:
+    """A fixed count of denoising queries for most batches: dynamic groups give at most ``2 * num_dn_queries``
+    (more only where an image has more targets than that); static ones grow in steps of 16 targets."""
+    step = 64 if generator.dynamic_dn_groups else 2 * generator.num_groups * 16
+    base = 2 * generator.num_dn_queries if generator.dynamic_dn_groups else step
+    return base if num_denoising <= base else -(-num_denoising // step) * step
+
+
+def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
+    """DINO's whole network in the region, the denoising queries padded to a fixed count (see the module's doc);
+    None where a piece differs from mmdet 3.3.0's."""
+    from mmdet.models.dense_heads import DINOHead
+    from mmdet.models.detectors import DINO
+    from mmdet.models.layers import CdnQueryGenerator
+    head, generator = detector.bbox_head, getattr(detector, "dn_query_generator", None)
+    if not (type(detector).pre_decoder is DINO.pre_decoder and type(detector).forward_decoder is DINO.forward_decoder
+            and type(head).loss is DINOHead.loss and type(generator).__call__ is CdnQueryGenerator.__call__):
+        return None
+    masks = {}
+
+    def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask):
+        encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
+        # mmdet 3.3.0's DINO.pre_decoder in training, with the denoising queries given.
+        memory = encoder_outputs["memory"]
+        num_layers = detector.decoder.num_layers
+        output_memory, output_proposals = detector.gen_encoder_output_proposals(
+            memory, encoder_outputs["memory_mask"], encoder_outputs["spatial_shapes"])
+        enc_outputs_class = head.cls_branches[num_layers](output_memory)
+        enc_outputs_coord_unact = head.reg_branches[num_layers](output_memory) + output_proposals
+        topk_indices = torch.topk(enc_outputs_class.max(-1)[0], k=detector.num_queries, dim=1)[1]
+        topk_score = torch.gather(enc_outputs_class, 1,
+                                  topk_indices.unsqueeze(-1).repeat(1, 1, enc_outputs_class.shape[-1]))
+        topk_coords_unact = torch.gather(enc_outputs_coord_unact, 1, topk_indices.unsqueeze(-1).repeat(1, 1, 4))
+        topk_coords = topk_coords_unact.sigmoid()
+        query = detector.query_embedding.weight[:, None, :].repeat(1, memory.shape[0], 1).transpose(0, 1)
+        query = torch.cat([dn_label_query, query], dim=1)
+        reference_points = torch.cat([dn_bbox_query, topk_coords_unact.detach()], dim=1).sigmoid()
+        decoder_outputs = detector.forward_decoder(query=query, memory=memory, reference_points=reference_points,
+                                                   dn_mask=dn_mask, **decoder_inputs)
+        all_cls_scores, all_bbox_preds = head(decoder_outputs["hidden_states"], decoder_outputs["references"])
+        return dict(all_cls_scores=all_cls_scores, all_bbox_preds=all_bbox_preds, enc_outputs_class=topk_score,
+                    enc_outputs_coord=topk_coords), None
+
+    def region_inputs(batch_inputs, batch_data_samples):
+        label_query, bbox_query, group_size, dn_meta = _denoising_queries(generator, batch_data_samples)
+        num_denoising = dn_meta["num_denoising_queries"]
+        padded = _padded_denoising_count(generator, num_denoising)
+        key = (num_denoising, group_size, padded, batch_inputs.device)
+        if key not in masks:
+            masks[key] = padded_denoising_mask(num_denoising, group_size, padded, detector.num_queries,
+                                               batch_inputs.device)
+        pad = (0, 0, 0, padded - num_denoising)
+        inputs = (batch_inputs, _image_sizes(batch_data_samples, batch_inputs.device),
+                  torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), masks[key])
+        return inputs, (num_denoising, padded, dn_meta)
+
+    def tail(outputs, _, batch_data_samples, context):
+        num_denoising, padded, dn_meta = context
+
+        def unpadded(per_layer):  # (layers, batch, queries, ...) without the padding queries
+            return torch.cat([per_layer[:, :, :num_denoising], per_layer[:, :, padded:]], dim=2)
+        batch_gt_instances = [sample.gt_instances for sample in batch_data_samples]
+        batch_img_metas = [sample.metainfo for sample in batch_data_samples]
+        return head.loss_by_feat(unpadded(outputs["all_cls_scores"]), unpadded(outputs["all_bbox_preds"]),
+                                 outputs["enc_outputs_class"], outputs["enc_outputs_coord"], batch_gt_instances,
+                                 batch_img_metas, dn_meta)
+    return _GraphedLoss(network, region_inputs, tail)
+
+
 def enable_cuda_graph_training(detector, max_graphs: int = 64) -> Optional[GraphedRegion]:
     """Give one Deformable-DETR-family or Mask2Former detector (an instance with mmdet 3.3.0's pieces) the
     graph-replayed training loss; returns its :class:`GraphedRegion`, or None when the detector is not one this path
@@ -160,18 +290,16 @@ def enable_cuda_graph_training(detector, max_graphs: int = 64) -> Optional[Graph
     pieces = _region_and_tail(detector)
     if pieces is None:
         return None
-    fn, takes_image_sizes, tail = pieces
-    region = GraphedRegion(fn, detector, name=f"{type(detector).__name__} training forward", max_graphs=max_graphs)
+    region = GraphedRegion(pieces.region, detector, name=f"{type(detector).__name__} training forward",
+                           max_graphs=max_graphs)
     stock_loss = type(detector).loss.__get__(detector)
 
     def loss(batch_inputs, batch_data_samples):
         if not torch.is_grad_enabled():
             return stock_loss(batch_inputs, batch_data_samples)
-        if takes_image_sizes:
-            outputs, constants = region(batch_inputs, _image_sizes(batch_data_samples, batch_inputs.device))
-        else:
-            outputs, constants = region(batch_inputs)
-        return tail(outputs, constants, batch_data_samples)
+        inputs, context = pieces.region_inputs(batch_inputs, batch_data_samples)
+        outputs, constants = region(*inputs)
+        return pieces.tail(outputs, constants, batch_data_samples, context)
 
     detector.loss = loss
     detector.graphed_training_region = region

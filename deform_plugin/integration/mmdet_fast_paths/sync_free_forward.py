@@ -9,6 +9,12 @@ path makes the tables with :func:`deform_plugin.ops.msda.make_level_tables` (cop
 tensors for the same sizes, never read by the MSDA op) and walks the host sizes instead. Same arithmetic on the same
 values: the outputs are bitwise the stock ones. Without a sync a forward of fixed-size inputs is also capturable in
 a CUDA graph.
+
+Mask2Former's instance post-processing waits for the GPU about 700 times per image: mmdet's ``mask2bbox`` finds
+each of the 100 masks' box with ``torch.where`` and builds it from four device scalars, and the thing-class filter
+indexes with a boolean mask. The fast path gives ``MaskFormerFusionHead`` the same post-processing with every box
+found at once (:func:`mask_boxes`: the first and last rows and columns holding a mask pixel, as ``mask2bbox``
+finds them) and without the filter where every class is a thing (it keeps every query then); same values.
 """
 from __future__ import annotations
 
@@ -185,14 +191,63 @@ def pixel_decoder_forward_sync_free(self, feats):
     return mask_feature, multi_scale_features
 
 
+def mask_boxes(masks: torch.Tensor) -> torch.Tensor:
+    """The tight boxes ``(x0, y0, x1, y1)`` (float32, one past the last pixel) of ``(n, h, w)`` boolean masks, and
+    zeros for an empty mask: mmdet's ``mask2bbox`` without its per-mask host reads."""
+    columns_hit = masks.any(dim=1).to(torch.uint8)  # (n, w)
+    rows_hit = masks.any(dim=2).to(torch.uint8)  # (n, h)
+    # argmax returns the first maximal index: the first hit, and from the flipped side, the last one.
+    x0, y0 = columns_hit.argmax(1), rows_hit.argmax(1)
+    x1 = masks.shape[2] - columns_hit.flip(1).argmax(1)
+    y1 = masks.shape[1] - rows_hit.flip(1).argmax(1)
+    boxes = torch.stack([x0, y0, x1, y1], dim=1).to(torch.float32)
+    return torch.where(columns_hit.any(1, keepdim=True).bool(), boxes, torch.zeros_like(boxes))
+
+
+def maskformer_instance_postprocess_sync_free(self, mask_cls, mask_pred):
+    """mmdet 3.3.0's ``MaskFormerFusionHead.instance_postprocess`` with :func:`mask_boxes`, and no thing-class
+    filter where every class is a thing."""
+    from mmengine.structures import InstanceData
+    max_per_image = self.test_cfg.get("max_per_image", 100)
+    num_queries = mask_cls.shape[0]
+    scores = F.softmax(mask_cls, dim=-1)[:, :-1]
+    labels = torch.arange(self.num_classes, device=mask_cls.device).unsqueeze(0).repeat(num_queries, 1).flatten(0, 1)
+    scores_per_image, top_indices = scores.flatten(0, 1).topk(max_per_image, sorted=False)
+    labels_per_image = labels[top_indices]
+    query_indices = top_indices // self.num_classes
+    mask_pred = mask_pred[query_indices]
+    if self.num_stuff_classes:  # else every label is a thing's: the filter keeps all (and would wait for the GPU)
+        is_thing = labels_per_image < self.num_things_classes
+        scores_per_image = scores_per_image[is_thing]
+        labels_per_image = labels_per_image[is_thing]
+        mask_pred = mask_pred[is_thing]
+    mask_pred_binary = (mask_pred > 0).float()
+    mask_scores_per_image = (mask_pred.sigmoid() * mask_pred_binary).flatten(1).sum(1) / (
+        mask_pred_binary.flatten(1).sum(1) + 1e-6)
+    det_scores = scores_per_image * mask_scores_per_image
+    mask_pred_binary = mask_pred_binary.bool()
+    results = InstanceData()
+    results.bboxes = mask_boxes(mask_pred_binary)
+    results.labels = labels_per_image
+    results.scores = det_scores
+    results.masks = mask_pred_binary
+    return results
+
+
 def enable_sync_free_forward(model) -> int:
     """Switch every Deformable-DETR-family detector in ``model`` (DINO included) whose class uses mmdet's own
-    ``pre_transformer``, and every Mask2Former pixel decoder with mmdet's own ``forward``, to the sync-free forward.
-    Returns the number of detectors and pixel decoders changed."""
+    ``pre_transformer``, and every Mask2Former pixel decoder with mmdet's own ``forward``, to the sync-free forward
+    (MaskFormer fusion heads with mmdet's own ``instance_postprocess`` come with their pixel decoder). Returns the
+    number of detectors and pixel decoders changed."""
     from mmdet.models.detectors import DeformableDETR
     from mmdet.models.layers import MSDeformAttnPixelDecoder
     from mmdet.models.layers.transformer.deformable_detr_layers import DeformableDetrTransformerEncoder
+    from mmdet.models.seg_heads.panoptic_fusion_heads import MaskFormerFusionHead
     changed = 0
+    for module in model.modules():
+        if (isinstance(module, MaskFormerFusionHead)
+                and type(module).instance_postprocess is MaskFormerFusionHead.instance_postprocess):
+            module.instance_postprocess = maskformer_instance_postprocess_sync_free.__get__(module)
     for module in model.modules():
         if (isinstance(module, MSDeformAttnPixelDecoder)
                 and type(module).forward is MSDeformAttnPixelDecoder.forward):
