@@ -25,6 +25,7 @@ region runs eagerly.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -58,6 +59,32 @@ def _decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples=None)
     return head_inputs
 
 
+class _GraphedLoss(NamedTuple):
+    """A detector's training loss split around its captured region: ``region_inputs(batch_inputs, samples)`` gives
+    the region's inputs and what the tail needs to know of them, ``region(*inputs)`` runs in the graph, and
+    ``tail(outputs, constants, samples, context)`` computes the losses eagerly."""
+    region: Callable
+    region_inputs: Callable
+    tail: Callable
+
+
+def _pixels_only(batch_inputs, batch_data_samples):
+    return (batch_inputs,), None
+
+
+def _pixels_and_image_sizes(batch_inputs, batch_data_samples):
+    return (batch_inputs, _image_sizes(batch_data_samples, batch_inputs.device)), None
+
+
+def _region_and_tail(detector) -> Optional[_GraphedLoss]:
+    """The captured function of ``detector``, how its inputs are made and the eager rest of its loss; or None if it
+    has none of the known shapes."""
+    from mmdet.models.detectors import MaskFormer
+    if isinstance(detector, MaskFormer):
+        return _mask2former_region_and_tail(detector)
+    return _detr_region_and_tail(detector)
+
+
 def _mask2former_region_and_tail(detector):
     """Mask2Former: its forward reads nothing but the pixels (no padding masks: mmdet 3.3.0 does not mask the padded
     region), so the region is backbone, neck, pixel decoder and the masked-attention decoder with its class and mask
@@ -76,7 +103,7 @@ def _mask2former_region_and_tail(detector):
         all_cls_scores, all_mask_preds = head(detector.extract_feat(batch_inputs), None)
         return dict(all_cls_scores=all_cls_scores, all_mask_preds=all_mask_preds), None
 
-    def tail(outputs, _, batch_data_samples):
+    def tail(outputs, _, batch_data_samples, __):
         # mmdet 3.3.0's MaskFormerHead.loss after its forward.
         batch_img_metas = [sample.metainfo for sample in batch_data_samples]
         batch_gt_instances = [sample.gt_instances for sample in batch_data_samples]
@@ -85,36 +112,7 @@ def _mask2former_region_and_tail(detector):
         batch_gt_instances = head.preprocess_gt(batch_gt_instances, batch_gt_semantic_segs)
         return head.loss_by_feat(outputs["all_cls_scores"], outputs["all_mask_preds"], batch_gt_instances,
                                  batch_img_metas)
-    return network, tail
-
-
-class _GraphedLoss(NamedTuple):
-    """A detector's training loss split around its captured region: ``region_inputs(batch_inputs, samples)`` gives
-    the region's inputs and what the tail needs to know of them, ``region(*inputs)`` runs in the graph, and
-    ``tail(outputs, constants, samples, context)`` computes the losses eagerly."""
-    region: Callable
-    region_inputs: Callable
-    tail: Callable
-
-
-def _region_and_tail(detector) -> Optional[_GraphedLoss]:
-    """The captured function of ``detector``, how its inputs are made and the eager rest of its loss; or None if it
-    has none of the known shapes."""
-    from mmdet.models.detectors import MaskFormer
-    if isinstance(detector, MaskFormer):
-        pieces = _mask2former_region_and_tail(detector)
-        if pieces is None:
-            return None
-        network, tail = pieces
-        return _GraphedLoss(network, lambda batch_inputs, samples: ((batch_inputs,), None),
-                            lambda outputs, constants, samples, _: tail(outputs, constants, samples))
-    pieces = _detr_region_and_tail(detector)
-    if pieces is None or isinstance(pieces, _GraphedLoss):
-        return pieces
-    network, tail = pieces
-    return _GraphedLoss(network, lambda batch_inputs, samples: (
-        (batch_inputs, _image_sizes(samples, batch_inputs.device)), None),
-        lambda outputs, constants, samples, _: tail(outputs, constants, samples))
+    return _GraphedLoss(network, _pixels_only, tail)
 
 
 def _detr_region_and_tail(detector):
@@ -140,20 +138,20 @@ def _detr_region_and_tail(detector):
                                enc_outputs_coord=head_inputs.get("enc_outputs_coord"))
                 return outputs, None
 
-            def tail(outputs, _, batch_data_samples):
+            def tail(outputs, _, batch_data_samples, __):
                 batch_gt_instances = [sample.gt_instances for sample in batch_data_samples]
                 batch_img_metas = [sample.metainfo for sample in batch_data_samples]
                 return head.loss_by_feat(*outputs["head_outputs"], outputs["enc_outputs_class"],
                                          outputs["enc_outputs_coord"], batch_gt_instances, batch_img_metas)
-            return whole_network, tail
+            return _GraphedLoss(whole_network, _pixels_and_image_sizes, tail)
 
         def transformer_only(batch_inputs, image_sizes):
             encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
             return _decoder(detector, encoder_outputs, decoder_inputs), None
 
-        def head_tail(head_inputs, _, batch_data_samples):
+        def head_tail(head_inputs, _, batch_data_samples, __):
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
-        return transformer_only, head_tail
+        return _GraphedLoss(transformer_only, _pixels_and_image_sizes, head_tail)
     if transformer is DINO.forward_transformer:
         whole = _dino_graphed_loss(detector)
         if whole is not None:
@@ -167,13 +165,13 @@ def _detr_region_and_tail(detector):
                           level_start_index=decoder_inputs["level_start_index"])
             return outputs, tables
 
-        def tail(outputs, tables, batch_data_samples):
+        def tail(outputs, tables, batch_data_samples, _):
             encoder_outputs = dict(memory=outputs["memory"], memory_mask=outputs["memory_mask"],
                                    spatial_shapes=tables["spatial_shapes"])
             decoder_inputs = dict(memory_mask=outputs["memory_mask"], valid_ratios=outputs["valid_ratios"], **tables)
             head_inputs = _decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples)
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
-        return backbone_and_encoder, tail
+        return _GraphedLoss(backbone_and_encoder, _pixels_and_image_sizes, tail)
     return None
 
 
@@ -212,6 +210,11 @@ def padded_denoising_mask(num_denoising: int, group_size: int, padded: int, num_
     return ~allowed
 
 
+# A batch's mask depends on its largest target count only: a few recent ones are kept (1.2 MB each for DINO's 1100
+# queries), read by the graphs' input copies and never written.
+_cached_denoising_mask = functools.lru_cache(maxsize=16)(padded_denoising_mask)
+
+
 def _padded_denoising_count(generator, num_denoising: int) -> int:
     """A fixed count of denoising queries for most batches: dynamic groups give at most ``2 * num_dn_queries``
     (more only where an image has more targets than that); static ones grow in steps of 16 targets."""
@@ -230,7 +233,6 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
     if not (type(detector).pre_decoder is DINO.pre_decoder and type(detector).forward_decoder is DINO.forward_decoder
             and type(head).loss is DINOHead.loss and type(generator).__call__ is CdnQueryGenerator.__call__):
         return None
-    masks = {}
 
     def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask):
         encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
@@ -259,13 +261,10 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
         label_query, bbox_query, group_size, dn_meta = _denoising_queries(generator, batch_data_samples)
         num_denoising = dn_meta["num_denoising_queries"]
         padded = _padded_denoising_count(generator, num_denoising)
-        key = (num_denoising, group_size, padded, batch_inputs.device)
-        if key not in masks:
-            masks[key] = padded_denoising_mask(num_denoising, group_size, padded, detector.num_queries,
-                                               batch_inputs.device)
+        mask = _cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, batch_inputs.device)
         pad = (0, 0, 0, padded - num_denoising)
         inputs = (batch_inputs, _image_sizes(batch_data_samples, batch_inputs.device),
-                  torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), masks[key])
+                  torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), mask)
         return inputs, (num_denoising, padded, dn_meta)
 
     def tail(outputs, _, batch_data_samples, context):
