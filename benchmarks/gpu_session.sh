@@ -10,7 +10,8 @@
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
 #   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and a step profile.
 #   profile   the step profile alone (stock fp32, ours bf16 without and with the config's fast paths).
-#   build     mmcv's CUDA ops only (the stock baseline), for the phases after it on the same host.
+#   build     mmcv's CUDA ops only (the stock baseline), for the phases after it on the same host; with PACK=1 the
+#             build comes back packed in OUT: copied into .whl, later fresh hosts unpack it in seconds.
 #   sizes     training steps at new and at seen random-resize sizes (tools/benchmark.py --variable-sizes).
 # It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
 # to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
@@ -29,10 +30,28 @@ lite=/tmp/site_lite   # mmcv-lite: deform_plugin's stand-in serves MSDA, focal l
 full=/tmp/site_full   # mmcv built from source: stock mmdet + mmcv, the baseline
 build_log=/tmp/mmcv_build.log
 
+prebuilt=.whl/mmcv-2.1.0-sm90-built.tar.xz  # split in parts of under 16 MiB (what a device call brings back)
+
 install_wheels() {
   [ -d "$lite" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$lite" .whl/*.whl
   [ -d "$full" ] || ls .whl/*.whl | grep -v mmcv_lite \
     | xargs python3 -m pip install -q --no-index --no-deps --no-compile --target "$full"
+  # A build packed by an earlier session (pack_mmcv) on the same torch: seconds instead of the 4-13 min build.
+  if ls "$prebuilt".part-* > /dev/null 2>&1 && [ ! -f /tmp/mmcv_build.done ]; then
+    cat "$prebuilt".part-* | tar xJf - -C "$full" \
+      && PYTHONPATH=$full python3 -c "import mmcv._ext" \
+      && touch /tmp/mmcv_build.started /tmp/mmcv_build.done \
+      || { echo "the packed mmcv build does not load here: building"; rm -rf "$full"/mmcv "$full"/mmcv-*.dist-info; }
+  fi
+}
+
+pack_mmcv() {  # the built mmcv (debug symbols stripped), for later fresh hosts to unpack into $full
+  local site
+  site=$(cd /tmp && PYTHONPATH=$full python3 -c "import mmcv, os; print(os.path.dirname(os.path.dirname(mmcv.__file__)))")
+  strip --strip-debug "$site"/mmcv/_ext*.so
+  tar cf - -C "$site" mmcv $(cd "$site" && ls -d mmcv-*.dist-info) | xz -T0 -6 \
+    | split -b 15m - "$out/$(basename "$prebuilt").part-"
+  ls -la "$out"
 }
 
 build_mmcv() {  # the stock baseline: mmcv 2.1.0's own CUDA ops for sm_90, into the system site (4-5 min)
@@ -151,6 +170,7 @@ profile)
   ;;
 build)
   wait_for_mmcv  # only the stock baseline's build, so that later phases of a fresh host start timing at once
+  [ "${PACK:-0}" = 1 ] && pack_mmcv
   ;;
 sizes)
   # The cost of a new input size: training steps at random-resize sizes, each first new, then seen (benchmark.py
