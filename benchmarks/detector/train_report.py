@@ -2,7 +2,9 @@
 
 Per row: steady-state img/s (and ms/iter), img/s over the whole run and over the first iterations, the ratio of
 whole-run to steady img/s (how much warm-up costs), our Triton kernels' compiled variants (and how many appeared
-after the warm-up window), peak device memory, and the steady-state speedup against the config's first row.
+after the warm-up window), the graph captures of graphed training (and signatures that run eagerly), peak device
+memory (allocated, and reserved: the memory CUDA graphs' pools hold shows there), and the steady-state speedup
+against the config's first row.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
               "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib",
-              "speedup", "amp_dtype", "iters", "batch_size", "workers")
+              "peak_reserved_mib", "graph_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size", "workers")
 
 
 def package_version(*names: str) -> str:
@@ -73,7 +75,8 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
                    steady_img_s=None, steady_ms_per_iter=None, all_img_s=None, first_img_s=None,
                    all_over_steady=None, compiled_total=None, compiled_after_warmup=None, batch_shapes=None,
                    batch_shapes_after_warmup=None, padded_over_image_pixels=None, peak_allocated_mib=None,
-                   speedup=None, amp_dtype=None, graph_captures=None, graph_capture_seconds=None)
+                   peak_reserved_mib=None, speedup=None, amp_dtype=None, graph_captures=None,
+                   graph_capture_seconds=None, graph_fallbacks=None)
     timing = result.get("timing")
     if not timing:
         return metrics
@@ -90,11 +93,13 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
         batch_shapes_after_warmup=timing.get("batch_shapes_after_warmup"),
         padded_over_image_pixels=timing.get("padded_over_image_pixels"),
         peak_allocated_mib=timing.get("peak_allocated_mib"),
+        peak_reserved_mib=timing.get("peak_reserved_mib"),
         amp_dtype=timing.get("amp_dtype"),
     )
     graphed = timing.get("graphed_training")
     if graphed:
-        metrics.update(graph_captures=graphed["captures"], graph_capture_seconds=graphed["capture_seconds"])
+        metrics.update(graph_captures=graphed["captures"], graph_capture_seconds=graphed["capture_seconds"],
+                       graph_fallbacks=graphed.get("fallbacks"))
     if steady and metrics["all_img_s"]:
         metrics["all_over_steady"] = metrics["all_img_s"] / steady
     return metrics
@@ -141,7 +146,8 @@ def markdown(report: dict) -> str:
         f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
         f"| img/s it {whole[0]}-{whole[1]} | img/s it {first[0]}-{first[1]} | {whole[0]}-{whole[1]} / steady "
         f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "
-        f"| graph captures (host s) | padded px / image px | peak MiB | speedup |",
+        f"| graph captures (host s; signatures run eagerly) | padded px / image px | peak MiB allocated (reserved) "
+        f"| speedup |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for m in report["rows"]:
@@ -150,13 +156,16 @@ def markdown(report: dict) -> str:
         shapes = "-" if m["batch_shapes"] is None else (
             f"{m['batch_shapes']} ({_fmt(m['batch_shapes_after_warmup'], 'd')})")
         captures = "-" if m["graph_captures"] is None else (
-            f"{m['graph_captures']} ({_fmt(m['graph_capture_seconds'], '.1f')})")
+            f"{m['graph_captures']} ({_fmt(m['graph_capture_seconds'], '.1f')} s"
+            + (f"; {m['graph_fallbacks']} eager)" if m.get("graph_fallbacks") else ")"))
+        memory = "-" if m["peak_allocated_mib"] is None else (
+            f"{m['peak_allocated_mib']:.0f} ({_fmt(m.get('peak_reserved_mib'), '.0f')})")
         lines.append(
             f"| {m['config']} | {m['row']} | {m['status']} | {_fmt(m['steady_img_s'])} "
             f"| {_fmt(m['steady_ms_per_iter'], '.1f')} | {_fmt(m['all_img_s'])} | {_fmt(m['first_img_s'])} "
             f"| {_fmt(m['all_over_steady'])} | {compiled} | {shapes} | {captures} "
             f"| {_fmt(m['padded_over_image_pixels'])} "
-            f"| {_fmt(m['peak_allocated_mib'], '.0f')} "
+            f"| {memory} "
             f"| {_fmt(m['speedup'], '.2f', 'x')} |")
     failed = [r for r in report["results"] if r["status"] != "ok"]
     for result in failed:

@@ -96,6 +96,7 @@ class GraphInference:
         self.graphs: "OrderedDict[tuple, _CapturedForward]" = OrderedDict()
         self.eager_signatures: Dict[tuple, str] = {}
         self.pool = None
+        self.capture_stream: Optional[torch.cuda.Stream] = None
 
     @staticmethod
     def signature(batch_inputs: torch.Tensor, batch_data_samples) -> tuple:
@@ -133,7 +134,11 @@ class GraphInference:
             print_log(f"deform_plugin: dropped the inference graph of input {dropped[0]} (max_graphs="
                       f"{self.max_graphs})", logger="current")
         static_input = batch_inputs.clone()
-        side = torch.cuda.Stream(device=batch_inputs.device)
+        # One stream for every signature's warm-up and capture: the caching allocator reuses a freed block only on
+        # the stream it was allocated on, so a stream per signature would strand each one's memory.
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(device=batch_inputs.device)
+        side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(batch_inputs.device))
         try:
             with torch.cuda.stream(side):
@@ -144,7 +149,7 @@ class GraphInference:
                 self.pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             # One memory pool for every signature: only one graph's outputs are read at a time.
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=side):
                 static_outputs = self.region(self.detector, static_input, batch_data_samples)
         except RuntimeError as error:
             torch.cuda.synchronize(batch_inputs.device)

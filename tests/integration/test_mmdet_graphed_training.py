@@ -376,3 +376,28 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, amp):
         den = sum(float(e.norm() ** 2) for e in eager_grads) ** 0.5
         assert num <= grad_tolerance * den, (step, num / den)
     assert region.replays == 5 and len(region.captured) == 2 and not region.eager_reasons
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_later_signatures_reuse_the_memory_of_earlier_captures():
+    # Every signature captures into one pool; the activations one capture frees must serve the next (on one capture
+    # stream), or a run that meets many image sizes keeps each signature's activations reserved until it runs out.
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Conv2d(32, 32, 3, padding=1) for _ in range(4)]).cuda()
+    region = GraphedRegion(lambda x: (net(x).relu(), None), net, name="pool test")
+
+    def step(size):
+        out, _ = region(torch.randn(4, 32, size, size, device="cuda"))
+        out.sum().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_reserved()
+
+    sizes = [256, 248, 240, 232, 224, 216]  # decreasing: every later request fits a block the first one freed
+    warm = step(sizes[0])
+    first = step(sizes[0]) - warm
+    for size in sizes[1:]:
+        step(size)
+        last = step(size)
+    assert len(region.captured) == len(sizes) and not region.eager_reasons
+    # Without reuse each capture adds about ``first`` again (five times here).
+    assert last - warm - first <= 0.5 * first, (first, last - warm - first)

@@ -355,3 +355,22 @@ def test_the_csv_appends_rows_and_sets_a_file_of_other_columns_aside(tmp_path):
     assert [(r["row"], r["steady_img_s"], r["batch_shapes"]) for r in rows] == [("ours:fp32", "1.5", "4")] * 2
     older = list(tmp_path.glob("train_benchmark.*.older-columns.csv"))
     assert len(older) == 1 and "stock:fp32,1.0" in older[0].read_text()
+
+
+def test_the_table_shows_reserved_memory_and_signatures_that_ran_eagerly():
+    from benchmarks.detector import train_report
+    windows = dict(first=(1, 1), all=(1, 3), steady=(2, 3))
+    timing = dict(windows=[dict(first=2, last=3, img_per_s=4.0, ms_per_iter=500.0)], peak_allocated_mib=9681.4,
+                  peak_reserved_mib=61234.0, graphed_training=dict(captures=9, capture_seconds=1.62, eager_calls=30,
+                                                                   replays=40, fallbacks=7))
+    row = train_report.row_metrics(dict(config="c.py", row="ours:fp32", status="ok", timing=timing), windows)
+    assert (row["peak_reserved_mib"], row["graph_captures"], row["graph_fallbacks"]) == (61234.0, 9, 7)
+    machine = dict(device="cpu", cuda=None, torch="torch ?", triton="triton ?", mmcv="mmcv ?", mmengine="mmengine ?",
+                   mmdet="mmdet ?", python="3", commit="abc")
+    report = dict(machine=machine, rows=[row], results=[],
+                  settings=dict(iters=3, batch_size=2, workers=1, windows={k: list(v) for k, v in windows.items()}),
+                  source=dict(images=4, seed=0))
+    table_row = train_report.markdown(report).splitlines()[-1]
+    assert "| 9 (1.6 s; 7 eager) |" in table_row and "| 9681 (61234) |" in table_row
+    row.update(graph_fallbacks=0)
+    assert "| 9 (1.6 s) |" in train_report.markdown(report).splitlines()[-1]

@@ -18,8 +18,10 @@ from the same distribution). The values the graphs read are the static input buf
 in), the parameters (updated in place by the optimizer) and the constants; anything else the function reads on the
 host at capture time is frozen into the graph, so a region function must take every per-call value as an input
 tensor. Static inputs, outputs and output gradients of every signature are views of shared buffers, and all
-signatures capture into one memory pool: only one signature's graphs run at a time, so the memory of a region is
-about that of its largest signature, not the sum.
+signatures capture on one stream into one memory pool: only one signature's graphs run at a time, so the memory of a
+region is about that of its largest signature, not the sum. (The caching allocator hands a freed block only to
+requests on the stream it was allocated on: a fresh capture stream per signature would strand every earlier
+signature's activation memory in the pool.)
 
 A signature falls back to eager (with one log line) when its capture fails, or beyond ``max_graphs`` signatures.
 A call made while the previous replay still awaits its backward (a second forward before a backward) runs eagerly
@@ -135,6 +137,7 @@ class GraphedRegion:
         self.shared = _SharedBuffers()
         self.param_grad_buffers: Dict[int, torch.Tensor] = {}
         self.pool = None
+        self.capture_stream: Optional[torch.cuda.Stream] = None
         self.replays = 0
         self.eager_calls = 0
         self.capture_seconds = 0.0  # host time spent capturing (benchmarks report it)
@@ -303,7 +306,9 @@ class GraphedRegion:
             entry.forward_graph = self.capture_graph(run_forward)
             entry.backward_graph = self.capture_graph(run_backward)
             return entry
-        side = torch.cuda.Stream(device=device)
+        if self.capture_stream is None:
+            self.capture_stream = torch.cuda.Stream(device=device)
+        side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), \
                 torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_on, cache_enabled=False):
