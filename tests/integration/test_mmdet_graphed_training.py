@@ -316,6 +316,82 @@ def test_max_graphs_bounds_the_captured_signatures():
     assert "max_graphs" in next(iter(region.eager_reasons.values()))
 
 
+class _RegionCaller(nn.Module):
+    """What DistributedDataParallel wraps: a module whose forward is the region (as a detector's ``loss`` is)."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.region = EmulatedGraphRegion(_small_region(net), net, name="ddp region")
+
+    def forward(self, x, scale):
+        return self.region(x, scale)
+
+
+def _ddp_batch(rank, step):
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    rows = 4 + rank  # each rank its own signature
+    return (torch.randn(rows, 6, generator=generator, dtype=torch.float64),
+            torch.rand(rows, generator=generator, dtype=torch.float64))
+
+
+def _ddp_worker(rank, world_size, init_method, out_dir):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        net = _Net().double()
+        net.unused.requires_grad_(False)  # DDP (without find_unused_parameters) wants a gradient for the rest
+        caller = _RegionCaller(net)
+        model = DistributedDataParallel(caller)
+        grads = []
+        for step in range(4):  # warm-up, capture, replays
+            model.zero_grad(set_to_none=True)
+            x, scale = _ddp_batch(rank, step)
+            outputs, _ = model(x, scale)
+            generator = torch.Generator().manual_seed(step)
+            (outputs["out"] * torch.randn(outputs["out"].shape, generator=generator, dtype=torch.float64)).sum(
+                ).backward()
+            grads.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
+        torch.save(dict(grads=grads, replays=caller.region.replays, eager_calls=caller.region.eager_calls),
+                   out_dir / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path):
+    # DistributedDataParallel reduces a parameter's gradient when autograd accumulates it: the replay's backward
+    # hands the parameters their gradients through the same accumulators, so ranks that replay (or run eagerly)
+    # end with the mean of every rank's gradients.
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, f"tcp://127.0.0.1:{port}", tmp_path), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    assert [(r["eager_calls"], r["replays"]) for r in ranks] == [(1, 3), (1, 3)]
+    torch.manual_seed(0)
+    net = _Net().double()
+    net.unused.requires_grad_(False)
+    eager = _small_region(net)
+    for step in range(4):
+        per_rank = []
+        for rank in range(2):
+            net.zero_grad(set_to_none=True)
+            x, scale = _ddp_batch(rank, step)
+            outputs, _ = eager(x, scale)
+            generator = torch.Generator().manual_seed(step)
+            (outputs["out"] * torch.randn(outputs["out"].shape, generator=generator, dtype=torch.float64)).sum(
+                ).backward()
+            per_rank.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
+        for rank in range(2):
+            for got, *expected in zip(ranks[rank]["grads"][step], *per_rank):
+                torch.testing.assert_close(got, sum(expected) / 2, rtol=1e-12, atol=1e-12)
+
+
 def test_detectors_without_the_stock_pieces_are_left_alone():
     from deform_plugin.integration.mmdet_fast_paths.graphed_training import enable_cuda_graph_training
     assert enable_cuda_graph_training(nn.Linear(2, 2)) is None
