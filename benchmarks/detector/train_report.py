@@ -24,7 +24,8 @@ REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
               "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib",
-              "peak_reserved_mib", "graph_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size", "workers")
+              "peak_reserved_mib", "graph_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size",
+              "workers")
 
 
 def package_version(*names: str) -> str:
