@@ -307,6 +307,38 @@ def test_no_grad_calls_and_failed_captures_run_eagerly_with_the_reason():
     assert region.eager_calls == 5 and region.replays == 0
 
 
+class _OutOfMemoryRegion(EmulatedGraphRegion):
+    """Captures run out of memory the first ``failures`` times; counts the releases of cached memory."""
+
+    def __init__(self, *args, failures, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failures, self.releases = failures, 0
+
+    def capture_graph(self, work):
+        if self.failures:
+            self.failures -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB.")
+        return super().capture_graph(work)
+
+    def release_cached_memory(self, device):
+        self.releases += 1
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_capture_out_of_memory_is_retried_once_after_releasing_cached_memory(failures):
+    net = _Net().double()
+    region = _OutOfMemoryRegion(_small_region(net), net, name="test region", failures=failures)
+    x, scale = torch.randn(4, 6, dtype=torch.float64), torch.rand(4, dtype=torch.float64)
+    for _ in range(3):
+        _step(region, x, scale, 0)
+    assert region.releases == 1
+    if failures == 1:  # the retry captured
+        assert len(region.captured) == 1 and region.replays == 2 and not region.eager_reasons
+    else:
+        assert not region.captured and region.replays == 0
+        assert "out of memory" in next(iter(region.eager_reasons.values()))
+
+
 def test_max_graphs_bounds_the_captured_signatures():
     net = _Net().double()
     region = EmulatedGraphRegion(_small_region(net), net, name="test region", max_graphs=1)

@@ -23,7 +23,8 @@ region is about that of its largest signature, not the sum. (The caching allocat
 requests on the stream it was allocated on: a fresh capture stream per signature would strand every earlier
 signature's activation memory in the pool.)
 
-A signature falls back to eager (with one log line) when its capture fails, or beyond ``max_graphs`` signatures.
+A signature falls back to eager (with one log line) when its capture fails (one that runs out of memory is tried
+once more after the allocator's unused cached blocks are released), or beyond ``max_graphs`` signatures.
 A call made while the previous replay still awaits its backward (a second forward before a backward) runs eagerly
 too.
 """
@@ -217,7 +218,13 @@ class GraphedRegion:
     def _capture_or_fall_back(self, key, inputs) -> Optional[_Captured]:
         started = time.perf_counter()
         try:
-            entry = self.capture(inputs)
+            try:
+                entry = self.capture(inputs)
+            except torch.OutOfMemoryError:
+                # The eager steps' allocator may cache most of the card in blocks the graph pool cannot use: give
+                # them back to the driver and try once more before this signature runs eagerly for good.
+                self.release_cached_memory(inputs[0].device)
+                entry = self.capture(inputs)
         except RuntimeError as error:  # torch.AcceleratorError is one
             self.capture_seconds += time.perf_counter() - started
             reason = str(error).splitlines()[0]
@@ -234,6 +241,11 @@ class GraphedRegion:
         self.capture_seconds += time.perf_counter() - started
         self.captured[key] = entry
         return entry
+
+    def release_cached_memory(self, device: torch.device) -> None:
+        """Return the caching allocator's unused blocks to the driver (after a capture ran out of memory)."""
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
     def capture(self, inputs: Sequence[torch.Tensor]) -> _Captured:
         """Capture the forward and backward graphs of ``inputs``' signature (which has been run eagerly before)."""
