@@ -384,3 +384,94 @@ def test_batched_losses_leave_heads_with_other_losses_alone():
     holder = nn.Module()
     holder.bbox_head = head
     assert apply_fast_paths(holder, batched_losses=True)["batched_losses"] == 0
+
+
+# ---- Mask2Former's matching in one pass ------------------------------------------------------------------------------
+
+def _mask2former_head():
+    from mmengine.config import Config
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+    register_all_modules(init_default_scope=True)
+    cfg = Config.fromfile("configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py")
+    head_cfg = cfg.model.panoptic_head.copy()
+    head_cfg.update(train_cfg=cfg.model.train_cfg, test_cfg=cfg.model.test_cfg, num_queries=20)
+    head_cfg.train_cfg.num_points = 256
+    head_cfg.in_channels = [64, 128, 256, 512]
+    return MODELS.build(head_cfg)
+
+
+def _mask2former_loss_inputs(num_gts_per_image, num_classes, seed=0):
+    from mmengine.structures import InstanceData
+    generator = torch.Generator().manual_seed(seed)
+    layers, queries, height, width = 4, 20, 16, 24
+    cls_scores = [torch.randn(len(num_gts_per_image), queries, num_classes + 1, generator=generator)
+                  for _ in range(layers)]
+    mask_preds = [torch.randn(len(num_gts_per_image), queries, height, width, generator=generator) * 3
+                  for _ in range(layers)]
+    gts = []
+    for num_gts in num_gts_per_image:
+        masks = torch.rand(num_gts, 4 * height, 4 * width, generator=generator) < torch.rand(
+            num_gts, 1, 1, generator=generator) * 0.5
+        gts.append(InstanceData(labels=torch.randint(0, num_classes, (num_gts,), generator=generator), masks=masks))
+    return cls_scores, mask_preds, gts, [dict(img_shape=(4 * height, 4 * width))] * len(num_gts_per_image)
+
+
+@pytest.mark.parametrize("num_gts", [(3, 5), (0, 4), (0, 0), (25, 2)], ids=["gts3-5", "gts0-4", "gts0-0", "gts25-2"])
+def test_mask2former_one_pass_matching_gives_the_stock_losses_and_gradients(num_gts):
+    from deform_plugin.integration.mmdet_fast_paths import mask2former_losses
+    stock_head = _mask2former_head()
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.panoptic_head = fast_head
+    changed = apply_fast_paths(holder, batched_matching=True)
+    assert changed["batched_matching"] == 1 and "loss_by_feat" in vars(fast_head)
+    cls_scores, mask_preds, gts, metas = _mask2former_loss_inputs(num_gts, stock_head.num_classes)
+    results = []
+    for head in (stock_head, fast_head):
+        leaves = [t.clone().requires_grad_() for t in cls_scores + mask_preds]
+        torch.manual_seed(7)  # the sample points are random: the fast path draws mmdet's numbers in mmdet's order
+        losses = head.loss_by_feat(leaves[:4], leaves[4:], gts, metas)
+        sum(value.sum() for value in losses.values()).backward()
+        results.append((losses, [leaf.grad for leaf in leaves], torch.rand(1)))
+    (stock, stock_grads, stock_next), (fast, fast_grads, fast_next) = results
+    assert list(fast) == list(stock) and len(stock) == 12
+    for name in stock:
+        assert fast[name].shape == stock[name].shape, name
+        torch.testing.assert_close(fast[name], stock[name], rtol=1e-5, atol=1e-6, msg=name)
+    for got, expected in zip(fast_grads, stock_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    assert torch.equal(fast_next, stock_next)  # as many random numbers drawn as stock draws
+    assert mask2former_losses._batchable_mask2former_head(stock_head)
+    assert not mask2former_losses._batchable_mask2former_head(fast_head)  # changed once only
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+def test_mask2former_one_pass_losses_wait_for_the_gpu_once():
+    import warnings
+    stock_head = _mask2former_head().cuda()
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.panoptic_head = fast_head
+    apply_fast_paths(holder, batched_matching=True)
+    cls_scores, mask_preds, gts, metas = _mask2former_loss_inputs((3, 5), stock_head.num_classes)
+    cls_scores, mask_preds = [t.cuda() for t in cls_scores], [t.cuda() for t in mask_preds]
+    for gt in gts:
+        gt.labels, gt.masks = gt.labels.cuda(), gt.masks.cuda()
+    syncs = []
+    for head in (stock_head, fast_head):
+        leaves = [t.clone().requires_grad_() for t in cls_scores + mask_preds]
+        head.loss_by_feat(leaves[:4], leaves[4:], gts, metas)  # warm-up
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                losses = head.loss_by_feat(leaves[:4], leaves[4:], gts, metas)
+                sum(value.sum() for value in losses.values()).backward()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    # Stock: per (layer, image) the cost copy and the sampler's nonzero calls, per layer more; ours: the one copy
+    # of every cost matrix to the host.
+    assert syncs[0] >= 4 * 2 * 3 and syncs[1] == 1, syncs

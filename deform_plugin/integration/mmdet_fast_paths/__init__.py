@@ -7,7 +7,7 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
 
 - ``sdpa_attention`` (:mod:`.sdpa_attention`): attention bricks through PyTorch SDPA;
 - ``hungarian_host_syncs`` and ``batched_matching`` (:mod:`.matching`): matching with fewer syncs, and all of a
-  step's matching in one pass;
+  step's matching in one pass (for Mask2Former, with its losses made sync-free: :mod:`.mask2former_losses`);
 - ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
 - ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass, DINO's denoising losses too
   (needs the matching solved ahead: turns ``batched_matching`` on too);
@@ -26,6 +26,7 @@ from torch import nn
 from .batched_losses import enable_batched_losses
 from .graphed_training import enable_cuda_graphs
 from .loss_normalisation import enable_sync_free_losses
+from .mask2former_losses import enable_mask2former_batched_matching
 from .matching import enable_batched_matching, enable_hungarian_host_syncs
 from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
 from .sync_free_forward import enable_sync_free_forward
@@ -68,7 +69,7 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
         check_mirrored_mmdet_version("hungarian_host_syncs")
         changed["hungarian_host_syncs"] = enable_hungarian_host_syncs(model)
     if batched_matching:
-        changed["batched_matching"] = enable_batched_matching(model)
+        changed["batched_matching"] = enable_batched_matching(model) + enable_mask2former_batched_matching(model)
     if sync_free_losses:
         check_mirrored_mmdet_version("sync_free_losses")
         changed["sync_free_losses"] = enable_sync_free_losses(model)

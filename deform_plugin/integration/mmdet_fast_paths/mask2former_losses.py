@@ -1,0 +1,232 @@
+"""Mask2Former's losses with every assignment of a step solved in one pass (``batched_matching`` on its head).
+
+mmdet 3.3.0's ``MaskFormerHead.loss_by_feat`` runs ``Mask2FormerHead._loss_by_feat_single`` once per decoder layer
+(10 in the R50 config), and that builds its targets image by image: per (layer, image) a cost matrix copied to the
+host (a wait for the GPU), two ``nonzero()`` calls in the sampler, then per layer a boolean selection of the matched
+masks and a ``max()`` on a device tensor: about 70 host syncs per step, each of which drains the GPU's queue while
+the host then issues the next small kernels alone.
+
+Here, as ``loss_by_feat`` of a Mask2Former head: the cost matrices of every (layer, image) pair are built by the
+assigner's own cost terms on the same sampled points, copied to the host in one transfer and solved; the matched
+query and gt indices reach the device in one non-blocking copy; the targets and the per-layer losses are mmdet's
+(the head's own loss modules, the same point sampling and importance selection), indexed instead of
+boolean-selected. The normaliser (matched masks, at least one per image, averaged over ranks) is the same integer in
+every layer: it is computed on the host and all-reduced once.
+
+Exact: mmdet draws the random sample points layer by layer (each image's matching points, then the loss's
+oversampled and random points); this pass draws the same tensors in the same order before it starts, so a seeded
+step gets the same numbers, the same assignments and the same losses up to float rounding (test).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch.profiler import record_function
+
+from .matching import _cost_matrix, _solve, _to_device_without_blocking
+
+
+class _StockDraws:
+    """The random points of one step, drawn in mmdet's order: per layer, each image's matching points, then (when
+    the batch has gts) the loss's oversampled points and its random points."""
+
+    def __init__(self, head, num_layers: int, num_images: int, num_masks: int, device: torch.device):
+        num_sampled = int(head.num_points * head.oversample_ratio)
+        num_random = head.num_points - int(head.importance_sample_ratio * head.num_points)
+        self.matching: List[List[torch.Tensor]] = []
+        self.oversampled: List[Optional[torch.Tensor]] = []
+        self.random: List[Optional[torch.Tensor]] = []
+        for _ in range(num_layers):
+            self.matching.append([torch.rand((1, head.num_points, 2), device=device) for _ in range(num_images)])
+            if num_masks == 0:  # mmdet returns before sampling the loss's points
+                self.oversampled.append(None)
+                self.random.append(None)
+                continue
+            self.oversampled.append(torch.rand(num_masks, num_sampled, 2, device=device))
+            self.random.append(torch.rand(num_masks, num_random, 2, device=device) if num_random > 0 else None)
+
+
+def _solve_every_layer(head, all_cls_scores, all_mask_preds, batch_gt_instances, batch_img_metas,
+                       draws: _StockDraws) -> List[List[np.ndarray]]:
+    """Per layer and image, the per-query ``gt_inds`` (1-based, 0 for background) of mmdet's assignment."""
+    from mmcv.ops import point_sample
+    from mmengine.structures import InstanceData
+
+    num_layers, num_queries = len(all_cls_scores), all_cls_scores[0].shape[1]
+    solved = [[np.zeros(num_queries, dtype=np.int64) for _ in batch_gt_instances] for _ in range(num_layers)]
+    with record_function("deform_plugin::matching"):
+        flat_costs, blocks = [], []
+        with record_function("deform_plugin::matching.cost_terms"):
+            for image, (gt_instances, img_meta) in enumerate(zip(batch_gt_instances, batch_img_metas)):
+                num_gts = len(gt_instances)
+                if num_gts == 0:
+                    continue  # the assigner's edge case: every query is background
+                # Every layer's points at once: a grid of (layers x points) samples each gt mask like mmdet's
+                # per-layer calls (the same bilinear weights per point).
+                coords = torch.cat([draws.matching[layer][image] for layer in range(num_layers)], dim=1)
+                gt_points = point_sample(gt_instances.masks.unsqueeze(0).float(), coords)[0]
+                gt_points = gt_points.view(num_gts, num_layers, -1)
+                for layer in range(num_layers):
+                    mask_points = point_sample(all_mask_preds[layer][image:image + 1],
+                                               draws.matching[layer][image])[0]
+                    pred_instances = InstanceData(scores=all_cls_scores[layer][image], masks=mask_points)
+                    sampled_gts = InstanceData(labels=gt_instances.labels, masks=gt_points[:, layer])
+                    cost = _cost_matrix(head.assigner, pred_instances, sampled_gts, img_meta)
+                    flat_costs.append(cost.reshape(-1))
+                    blocks.append((layer, image, cost.shape))
+        if not flat_costs:
+            return solved
+        with record_function("deform_plugin::matching.wait_and_copy_to_host"):
+            host = torch.cat([c.to(flat_costs[0].dtype) for c in flat_costs]).cpu().numpy()
+        with record_function("deform_plugin::matching.scipy"):
+            offset = 0
+            for layer, image, (rows, cols) in blocks:
+                solved[layer][image] = _solve(host[offset:offset + rows * cols].reshape(rows, cols))
+                offset += rows * cols
+    return solved
+
+
+def _matched_indices(solved: List[List[np.ndarray]], num_queries: int, gt_offsets: List[int], device):
+    """Per layer, the flat (image * queries + query) indices of the matched queries in mmdet's boolean-selection
+    order, the matched gts' indices into the batch's concatenated gts, and how many images matched nothing: one
+    non-blocking copy for every layer."""
+    queries, gts, counts, empty_images = [], [], [], []
+    for per_image in solved:
+        layer_queries, layer_gts, empty = [], [], 0
+        for image, gt_inds in enumerate(per_image):
+            matched = np.flatnonzero(gt_inds > 0)  # sorted, as the sampler's nonzero().unique()
+            layer_queries.append(image * num_queries + matched)
+            layer_gts.append(gt_offsets[image] + gt_inds[matched] - 1)
+            empty += len(matched) == 0
+        queries.append(np.concatenate(layer_queries))
+        gts.append(np.concatenate(layer_gts))
+        counts.append(len(queries[-1]))
+        empty_images.append(empty)
+    both = _to_device_without_blocking(torch.from_numpy(np.concatenate(queries + gts).astype(np.int64)), device)
+    total = sum(counts)
+    query_splits = both[:total].split(counts)
+    gt_splits = both[total:].split(counts)
+    return list(zip(query_splits, gt_splits)), counts, empty_images
+
+
+def _uncertain_points(head, mask_preds: torch.Tensor, oversampled: torch.Tensor, random: Optional[torch.Tensor]):
+    """mmdet's ``get_uncertain_point_coords_with_randomness`` on points drawn ahead."""
+    from mmcv.ops import point_sample
+    from mmdet.models.utils.point_sample import get_uncertainty
+
+    num_masks, num_sampled = oversampled.shape[:2]
+    num_uncertain = int(head.importance_sample_ratio * head.num_points)
+    uncertainties = get_uncertainty(point_sample(mask_preds, oversampled), None)
+    idx = torch.topk(uncertainties[:, 0, :], k=num_uncertain, dim=1)[1]
+    idx += num_sampled * torch.arange(num_masks, dtype=torch.long, device=mask_preds.device)[:, None]
+    coords = oversampled.view(-1, 2)[idx.view(-1), :].view(num_masks, num_uncertain, 2)
+    if random is not None:
+        coords = torch.cat((coords, random), dim=1)
+    return coords
+
+
+def _classification_loss(head, scores, labels, label_weights, class_weight, avg_factor):
+    """``head.loss_cls(scores, labels, label_weights, avg_factor=...)``; for mmdet's softmax ``CrossEntropyLoss``
+    with the head's class weights, its own criterion given those weights already on the device."""
+    from mmdet.models.losses import CrossEntropyLoss
+    from mmdet.models.losses.cross_entropy_loss import cross_entropy
+    loss_cls = head.loss_cls
+    if (type(loss_cls) is not CrossEntropyLoss or loss_cls.cls_criterion is not cross_entropy
+            or loss_cls.class_weight is None or list(loss_cls.class_weight) != list(head.class_weight)):
+        return loss_cls(scores, labels, label_weights, avg_factor=avg_factor)
+    return loss_cls.loss_weight * cross_entropy(
+        scores, labels, label_weights, class_weight=class_weight, reduction=loss_cls.reduction, avg_factor=avg_factor,
+        ignore_index=loss_cls.ignore_index, avg_non_ignore=loss_cls.avg_non_ignore)
+
+
+def mask2former_loss_by_feat_batched(self, all_cls_scores, all_mask_preds, batch_gt_instances: list,
+                                     batch_img_metas: List[dict]) -> Dict[str, torch.Tensor]:
+    """mmdet 3.3.0's ``MaskFormerHead.loss_by_feat`` of a Mask2Former head, with its matching solved in one pass
+    and no other host sync (see the module's docstring)."""
+    from mmcv.ops import point_sample
+    from mmdet.utils import reduce_mean
+
+    num_layers, num_images = len(all_cls_scores), len(batch_gt_instances)
+    num_queries = all_cls_scores[0].shape[1]
+    device = all_cls_scores[0].device
+    num_gts = [len(gt_instances) for gt_instances in batch_gt_instances]
+    # Hungarian matching gives each gt a query while queries last.
+    draws = _StockDraws(self, num_layers, num_images, sum(min(n, num_queries) for n in num_gts), device)
+    solved = _solve_every_layer(self, all_cls_scores, all_mask_preds, batch_gt_instances, batch_img_metas, draws)
+    gt_offsets = np.concatenate([[0], np.cumsum(num_gts)[:-1]]).astype(np.int64).tolist()
+    matched, counts, empty_images = _matched_indices(solved, num_queries, gt_offsets, device)
+    all_gt_labels = torch.cat([gt_instances.labels for gt_instances in batch_gt_instances])
+    all_gt_masks = torch.cat([gt_instances.masks for gt_instances in batch_gt_instances])
+    # new_tensor(list) would be a blocking copy (as would mmdet's CrossEntropyLoss make its class weights per call).
+    class_weight = _to_device_without_blocking(torch.tensor(self.class_weight, dtype=all_cls_scores[0].dtype), device)
+    # mmdet's avg_factor: each image counts its matched masks, at least one.
+    avg_factors = [count + empty for count, empty in zip(counts, empty_images)]
+    if len(set(avg_factors)) == 1:  # always with Hungarian matching: every layer matches every gt
+        shared = reduce_mean(_to_device_without_blocking(torch.tensor([float(avg_factors[0])]), device).to(
+            all_cls_scores[0].dtype))
+        normalisers = [shared] * num_layers
+    else:
+        normalisers = [reduce_mean(_to_device_without_blocking(torch.tensor([float(factor)]), device).to(
+            all_cls_scores[0].dtype)) for factor in avg_factors]
+    # A mean of per-rank counts that are each at least the number of images: mmdet's max(., 1) never applies.
+
+    losses_cls, losses_mask, losses_dice = [], [], []
+    for layer in range(num_layers):
+        cls_scores, mask_preds = all_cls_scores[layer], all_mask_preds[layer]
+        query_inds, gt_inds = matched[layer]
+        labels = torch.full((num_images * num_queries,), self.num_classes, dtype=torch.long, device=device)
+        labels[query_inds] = all_gt_labels[gt_inds].long()
+        label_weights = all_gt_labels.new_ones((num_images * num_queries,))
+        flat_scores = cls_scores.flatten(0, 1)
+        losses_cls.append(_classification_loss(self, flat_scores, labels, label_weights, class_weight,
+                                               avg_factor=class_weight[labels].sum()))
+
+        matched_preds = mask_preds.flatten(0, 1)[query_inds]
+        if counts[layer] == 0:  # mmdet's "zero match"
+            losses_dice.append(matched_preds.sum())
+            losses_mask.append(matched_preds.sum())
+            continue
+        mask_targets = all_gt_masks[gt_inds]
+        with torch.no_grad():
+            coords = _uncertain_points(self, matched_preds.unsqueeze(1), draws.oversampled[layer],
+                                       draws.random[layer])
+            point_targets = point_sample(mask_targets.unsqueeze(1).float(), coords).squeeze(1)
+        point_preds = point_sample(matched_preds.unsqueeze(1), coords).squeeze(1)
+        losses_dice.append(self.loss_dice(point_preds, point_targets, avg_factor=normalisers[layer]))
+        losses_mask.append(self.loss_mask(point_preds.reshape(-1), point_targets.reshape(-1),
+                                          avg_factor=normalisers[layer] * self.num_points))
+
+    loss_dict = dict(loss_cls=losses_cls[-1], loss_mask=losses_mask[-1], loss_dice=losses_dice[-1])
+    for layer in range(num_layers - 1):
+        loss_dict[f"d{layer}.loss_cls"] = losses_cls[layer]
+        loss_dict[f"d{layer}.loss_mask"] = losses_mask[layer]
+        loss_dict[f"d{layer}.loss_dice"] = losses_dice[layer]
+    return loss_dict
+
+
+def _batchable_mask2former_head(head) -> bool:
+    """A Mask2Former head whose loss pieces are all mmdet's own, with a Hungarian assigner and the pseudo sampler."""
+    from mmdet.models.dense_heads import Mask2FormerHead, MaskFormerHead
+    from mmdet.models.task_modules.assigners import HungarianAssigner
+    from mmdet.models.task_modules.samplers import MaskPseudoSampler
+    cls = type(head)
+    return (isinstance(head, Mask2FormerHead) and "loss_by_feat" not in vars(head)
+            and cls.loss_by_feat is MaskFormerHead.loss_by_feat
+            and cls.get_targets is MaskFormerHead.get_targets
+            and cls._loss_by_feat_single is Mask2FormerHead._loss_by_feat_single
+            and cls._get_targets_single is Mask2FormerHead._get_targets_single
+            and isinstance(getattr(head, "assigner", None), HungarianAssigner)
+            and type(getattr(head, "sampler", None)) is MaskPseudoSampler)
+
+
+def enable_mask2former_batched_matching(model: torch.nn.Module) -> int:
+    """Give every stock Mask2Former head in ``model`` the one-pass matching and sync-free losses (an instance
+    attribute: the class stays stock). Returns the number of heads changed."""
+    changed = 0
+    for module in model.modules():
+        if _batchable_mask2former_head(module):
+            module.loss_by_feat = mask2former_loss_by_feat_batched.__get__(module)
+            changed += 1
+    return changed
