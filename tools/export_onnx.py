@@ -1,4 +1,5 @@
-"""Export a DETR-family detector (Deformable-DETR plain/refine/two-stage, DINO) to ONNX, and check it in ONNX Runtime.
+"""Export a DETR-family detector (Deformable-DETR plain/refine/two-stage, DINO, Mask2Former instance segmentation) to
+ONNX, and check it in ONNX Runtime.
 
     python tools/export_onnx.py CONFIG [CHECKPOINT] --out FILE --shape H W [--opset N] [--verify]
                                 [--image IMAGE] [--cfg-options KEY=VALUE ...]
@@ -6,13 +7,15 @@
 The graph takes one raw image of the fixed size H x W — ``image (1, 3, H, W)`` float32 pixel values 0-255 in the
 channel order of mmdet's image loading (BGR for the stock configs); the channel flip and the normalisation of the
 config's data preprocessor are inside the graph — and returns the DETR family's top-k detections without NMS:
-``boxes (1, K, 4)`` xyxy in input pixels, ``scores (1, K)``, ``labels (1, K)``. Without CHECKPOINT the weights are
-random (said on the console). Every MSDA layer is exported as standard ONNX operators (GridSample, opset >= 16).
+``boxes (1, K, 4)`` xyxy in input pixels, ``scores (1, K)``, ``labels (1, K)``; Mask2Former adds
+``masks (1, K, H, W)`` (bool), its detections sorted by score. Without CHECKPOINT the weights are random (said on the
+console). Every MSDA layer is exported as standard ONNX operators (GridSample, opset >= 16).
 
 ``--verify`` runs the file in ONNX Runtime and the PyTorch model on the same image (random, or ``--image`` resized to
-H x W) and prints the errors; it exits 1 if a score differs by more than 1e-4, a box by more than 1e-3 relative, or a
-top-k label does not match. Bad requests (no MSDA in the config, unsupported detector, an image size the model cannot
-take, missing files) exit 2 with a one-line message. See docs/deployment.md.
+H x W) and prints the errors; it exits 1 if a score differs by more than 1e-4, a box by more than 1e-3 relative (for
+masks' boxes: or 1 px), a top-k label does not match, or a mask's IoU with PyTorch's is under 0.99. Bad requests
+(no MSDA in the config, unsupported detector, an image size the model cannot take, missing files) exit 2 with a
+one-line message. See docs/deployment.md.
 """
 from __future__ import annotations
 
@@ -25,13 +28,14 @@ from typing import Optional, Sequence
 import deform_plugin  # noqa: F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
 from mmengine.config import DictAction
 
-from deform_plugin.integration.mmdet_detr_onnx import (DEFAULT_OPSET, DETRExportModel, ExportError, build_detector,
-                                                       check_exportable, check_input_size, check_opset,
-                                                       export_detector, verify_onnx)
+from deform_plugin.integration.mmdet_detr_onnx import (DEFAULT_OPSET, ExportError, build_detector, check_exportable,
+                                                       check_input_size, check_opset, export_detector, export_model,
+                                                       verify_onnx)
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Export a DETR-family detector to ONNX (with deform_plugin)")
+    parser = argparse.ArgumentParser(description="Export a DETR-family detector or Mask2Former to ONNX "
+                                     "(with deform_plugin)")
     parser.add_argument("config", help="config file path")
     parser.add_argument("checkpoint", nargs="?", help="checkpoint file (random weights without it)")
     parser.add_argument("--out", required=True, help="the .onnx file to write")
@@ -77,7 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "detections are not a trained model's)")
         check_exportable(model)
         sizes = check_input_size(model, height, width)
-        wrapper = DETRExportModel(model, height, width).eval()
+        wrapper = export_model(model, height, width)
         start = time.perf_counter()
         operators = export_detector(wrapper, args.out, args.opset)
         seconds = time.perf_counter() - start
@@ -90,8 +94,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"  input:   image (1, 3, {height}, {width}) float32 raw pixels 0-255"
           + (", BGR (flipped to RGB in the graph)" if wrapper.flip_channels else "")
           + (", normalised in the graph" if wrapper.normalize else ""))
-    print(f"  outputs: boxes (1, {wrapper.max_per_img}, 4) xyxy pixels, scores (1, {wrapper.max_per_img}), "
-          f"labels (1, {wrapper.max_per_img}) int64")
+    k = wrapper.max_per_img
+    print(f"  outputs: boxes (1, {k}, 4) xyxy pixels, scores (1, {k}), labels (1, {k}) int64"
+          + (f", masks (1, {k}, {height}, {width}) bool" if "masks" in wrapper.output_names else ""))
     print(f"  MSDA levels at this size: {levels} ({sizes.num_keys} keys)")
     print(f"  operators: {' '.join(operators)}")
     if not args.verify:

@@ -1,6 +1,7 @@
-"""ONNX export of mmdet 3.3's DETR-family detectors (Deformable-DETR plain/refine/two-stage, DINO), and its check.
+"""ONNX export of mmdet 3.3's DETR-family detectors (Deformable-DETR plain/refine/two-stage, DINO, Mask2Former
+instance segmentation), and its check.
 
-The graph is one fixed-size image in, the DETR family's top-k detections out:
+The graph is one fixed-size image in, the family's top-k detections out:
 
     image  (1, 3, H, W) float32  raw pixel values (0-255) in the channel order mmdet's loading yields (BGR for the
                                  stock configs); the data preprocessor's channel flip and normalisation are in the
@@ -10,12 +11,20 @@ The graph is one fixed-size image in, the DETR family's top-k detections out:
     labels (1, K)    int64       class indices
 
 with K the head's ``test_cfg.max_per_img`` — the post-processing of mmdet's ``DETRHead._predict_by_feat_single``
-(sigmoid, top-k over queries x classes, no NMS). The graph is traced by the TorchScript exporter
-(``torch.onnx.export(..., dynamo=False)``) and is specialised to H x W: mmdet 3.3's ``DeformableDETR.pre_transformer``
-builds the level table with ``torch._shape_as_tensor(feat)[2:].to(device)``, which ``torch.export`` (the default
-exporter) rejects in both its modes.
+(sigmoid, top-k over queries x classes, no NMS). Mask2Former (instance configs) adds
 
-This module knows mmdet's private structure (``extract_feat``, ``forward_transformer``, the head's branches); the
+    masks  (1, K, H, W) bool     each detection's mask at the input size
+
+with K its fusion head's ``test_cfg.max_per_image``: mmdet's ``MaskFormerFusionHead.instance_postprocess`` (softmax
+without the no-object class, top-k over queries x classes, score times the mean sigmoid inside the mask, the box
+around the mask), with the detections sorted by score (mmdet's top-k leaves them unsorted).
+
+The graph is traced by the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) and is specialised to
+H x W: mmdet 3.3's ``DeformableDETR.pre_transformer`` builds the level table with
+``torch._shape_as_tensor(feat)[2:].to(device)``, which ``torch.export`` (the default exporter) rejects in both its
+modes.
+
+This module knows mmdet's private structure (``extract_feat``, ``forward_transformer``, the heads' branches); the
 MSDA layers inside switch to standard ONNX operators by themselves while an export traces them
 (:mod:`deform_plugin.ops.msda.export`).
 """
@@ -33,10 +42,9 @@ import torch
 from torch import nn
 
 # Exact classes: a subclass (DDQ-DETR is a DINO) may change the inference path, so it is not accepted silently.
-SUPPORTED_DETECTORS = ("DeformableDETR", "DINO")
+SUPPORTED_DETECTORS = ("DeformableDETR", "DINO", "Mask2Former")
 NOT_YET = {
     "DDQDETR": "it selects distinct queries with NMS (mmcv's batched_nms) before and between decoder layers",
-    "Mask2Former": "its outputs are masks from a pixel decoder and MaskFormerFusionHead, not the DETR box top-k",
     "GroundingDINO": "it takes text as a second input",
 }
 # Encoder logits of the proposals ONNX Runtime picks may differ from PyTorch's top-k by float32 rounding only.
@@ -133,7 +141,15 @@ def check_exportable(model: nn.Module) -> None:
         why = f" ({NOT_YET[name]})" if name in NOT_YET else ""
         raise ExportError(f"{name} is not a supported detector family{why}; supported: "
                           f"{', '.join(SUPPORTED_DETECTORS)} (Deformable-DETR plain, refine and two-stage)")
-    if not model.bbox_head.loss_cls.use_sigmoid:
+    if name == "Mask2Former":
+        fusion = model.panoptic_fusion_head
+        test_cfg = fusion.test_cfg or {}
+        if fusion.num_stuff_classes or not test_cfg.get("instance_on", False):
+            raise ExportError(f"{name} is exported with its instance-segmentation outputs only: this config has "
+                              f"{fusion.num_stuff_classes} stuff classes and instance_on="
+                              f"{test_cfg.get('instance_on', False)} (a panoptic or semantic config); use an instance "
+                              "config such as configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py")
+    elif not model.bbox_head.loss_cls.use_sigmoid:
         raise ExportError(f"{name}'s head scores with a softmax; the exported post-processing is the sigmoid top-k "
                           "of the DETR family's focal-loss heads")
 
@@ -153,9 +169,13 @@ class InputSizeReport:
 
 
 def _level_shapes(model: nn.Module, height: int, width: int) -> List[Tuple[int, int]]:
+    """The feature-map sizes the MSDA layers attend over (Mask2Former's pixel decoder: its coarsest few)."""
     with torch.no_grad():
         feats = model.extract_feat(torch.zeros(1, 3, height, width))
-    return [tuple(int(s) for s in f.shape[-2:]) for f in feats]
+    shapes = [tuple(int(s) for s in f.shape[-2:]) for f in feats]
+    pixel_decoder = getattr(getattr(model, "panoptic_head", None), "pixel_decoder", None)
+    num_levels = getattr(pixel_decoder, "num_encoder_levels", None)
+    return shapes[-num_levels:] if num_levels else shapes
 
 
 def check_input_size(model: nn.Module, height: int, width: int) -> InputSizeReport:
@@ -200,15 +220,13 @@ def _smallest_square_side(model: nn.Module, num_queries: int, divisor: int, star
 
 # ---- the exported module ------------------------------------------------------------------------------------------
 
-class DETRExportModel(nn.Module):
-    """The detector from raw pixels to the top-k detections, for one fixed image size.
+class _ExportModel(nn.Module):
+    """What every exported family shares: the data preprocessor's channel flip and normalisation in the graph, the
+    fixed size, the output names and shapes."""
 
-    Args:
-        detector: a built DeformableDETR or DINO in eval mode (see :func:`check_exportable`).
-        height, width: the image size the graph is traced for.
-    """
+    output_names: Tuple[str, ...] = OUTPUT_NAMES
 
-    def __init__(self, detector: nn.Module, height: int, width: int):
+    def __init__(self, detector: nn.Module, height: int, width: int, max_per_img: int, num_candidates: int):
         super().__init__()
         from mmdet.structures import DetDataSample
 
@@ -218,25 +236,46 @@ class DETRExportModel(nn.Module):
         preprocessor = detector.data_preprocessor
         self.flip_channels = bool(getattr(preprocessor, "_channel_conversion", False))
         self.normalize = bool(getattr(preprocessor, "_enable_normalize", False))
-        head = detector.bbox_head
-        self.num_classes = head.num_classes
-        self.num_queries = detector.num_queries
-        self.max_per_img = int((head.test_cfg or {}).get("max_per_img", self.num_queries))
-        if self.max_per_img > self.num_queries * self.num_classes:
-            raise ExportError(f"test_cfg.max_per_img={self.max_per_img} exceeds num_queries x num_classes = "
-                              f"{self.num_queries * self.num_classes}")
+        self.max_per_img = max_per_img
+        if max_per_img > num_candidates:
+            raise ExportError(f"the test_cfg's {max_per_img} detections per image exceed num_queries x num_classes "
+                              f"= {num_candidates}")
         # The head's metadata as a constant: img_shape = batch_input_shape = the traced size, no data samples in
         # the graph.
         self._samples = [DetDataSample(metainfo=dict(img_shape=(height, width), batch_input_shape=(height, width)))]
 
-    def forward(self, image: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        detector = self.detector
+    def output_shapes(self) -> Tuple[Tuple[int, ...], ...]:
+        k = self.max_per_img
+        return (1, k, 4), (1, k), (1, k)
+
+    def preprocess(self, image: torch.Tensor) -> torch.Tensor:
         x = image.float()
         if self.flip_channels:
             x = x[:, [2, 1, 0]]
         if self.normalize:
-            x = (x - detector.data_preprocessor.mean) / detector.data_preprocessor.std
-        feats = detector.extract_feat(x)
+            x = (x - self.detector.data_preprocessor.mean) / self.detector.data_preprocessor.std
+        return x
+
+
+class DETRExportModel(_ExportModel):
+    """A Deformable-DETR or DINO from raw pixels to the top-k detections, for one fixed image size.
+
+    Args:
+        detector: a built DeformableDETR or DINO in eval mode (see :func:`check_exportable`).
+        height, width: the image size the graph is traced for.
+    """
+
+    def __init__(self, detector: nn.Module, height: int, width: int):
+        head = detector.bbox_head
+        super().__init__(detector, height, width,
+                         max_per_img=int((head.test_cfg or {}).get("max_per_img", detector.num_queries)),
+                         num_candidates=detector.num_queries * head.num_classes)
+        self.num_classes = head.num_classes
+        self.num_queries = detector.num_queries
+
+    def forward(self, image: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        detector = self.detector
+        feats = detector.extract_feat(self.preprocess(image))
         head_inputs = detector.forward_transformer(feats, self._samples)
         all_scores, all_boxes = detector.bbox_head(**head_inputs)
         return self.top_k(all_scores[-1], all_boxes[-1])
@@ -256,13 +295,65 @@ class DETRExportModel(nn.Module):
         return boxes, scores, labels
 
 
+class Mask2FormerExportModel(_ExportModel):
+    """A Mask2Former instance-segmentation model from raw pixels to its top-k masks, boxes, scores and labels.
+
+    The head's last decoder layer's class logits and mask logits, the masks upsampled to the input size (mmdet's
+    ``MaskFormerHead.predict``; no crop or rescale: the input is the image), then mmdet's instance post-processing
+    for configs without stuff classes (every query is a thing): softmax without the no-object class, top-k over
+    queries x classes, the mask's mean sigmoid inside its binary mask times the class score, the mask's bounding box
+    (:func:`~deform_plugin.integration.mmdet_fast_paths.sync_free_forward.mask_boxes`, equal to mmdet's
+    ``mask2bbox``). Sorted by score.
+    """
+
+    output_names = OUTPUT_NAMES + ("masks",)
+
+    def __init__(self, detector: nn.Module, height: int, width: int):
+        fusion = detector.panoptic_fusion_head
+        num_queries = detector.panoptic_head.num_queries
+        super().__init__(detector, height, width,
+                         max_per_img=int((fusion.test_cfg or {}).get("max_per_image", 100)),
+                         num_candidates=num_queries * fusion.num_classes)
+        self.num_classes = fusion.num_classes
+
+    def output_shapes(self) -> Tuple[Tuple[int, ...], ...]:
+        return super().output_shapes() + ((1, self.max_per_img, self.height, self.width),)
+
+    def forward(self, image: torch.Tensor):
+        import torch.nn.functional as F
+
+        from .mmdet_fast_paths.sync_free_forward import mask_boxes
+
+        detector = self.detector
+        feats = detector.extract_feat(self.preprocess(image))
+        all_cls_scores, all_mask_preds = detector.panoptic_head(feats, self._samples)
+        mask_logits = F.interpolate(all_mask_preds[-1], size=(self.height, self.width), mode="bilinear",
+                                    align_corners=False)[0]
+        scores = F.softmax(all_cls_scores[-1][0], dim=-1)[:, :-1]
+        scores, index = scores.flatten().topk(self.max_per_img)
+        labels = index % self.num_classes
+        mask_logits = mask_logits[torch.div(index, self.num_classes, rounding_mode="floor")]
+        binary = (mask_logits > 0).float()
+        mask_scores = (mask_logits.sigmoid() * binary).flatten(1).sum(1) / (binary.flatten(1).sum(1) + 1e-6)
+        scores = scores * mask_scores
+        scores, order = scores.sort(descending=True)
+        masks = binary.bool()[order]
+        return mask_boxes(masks)[None], scores[None], labels[order][None], masks[None]
+
+
+def export_model(detector: nn.Module, height: int, width: int) -> _ExportModel:
+    """The exported module of ``detector``'s family (after :func:`check_exportable`)."""
+    family = Mask2FormerExportModel if type(detector).__name__ == "Mask2Former" else DETRExportModel
+    return family(detector, height, width).eval()
+
+
 def check_opset(opset: int) -> None:
     if not MIN_OPSET <= opset <= MAX_OPSET:
         raise ExportError(f"opset {opset} is not supported: GridSample needs {MIN_OPSET} or later, and the "
                           f"TorchScript exporter writes at most {MAX_OPSET}")
 
 
-def export_detector(model: DETRExportModel, path: str, opset: int = DEFAULT_OPSET, seed: int = 0) -> List[str]:
+def export_detector(model: _ExportModel, path: str, opset: int = DEFAULT_OPSET, seed: int = 0) -> List[str]:
     """Trace ``model`` with the TorchScript exporter into ``path``; check the file; return its operator types."""
     import onnx
 
@@ -273,12 +364,11 @@ def export_detector(model: DETRExportModel, path: str, opset: int = DEFAULT_OPSE
         # input, which the graph is specialised to on purpose.
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         torch.onnx.export(model, (image,), path, dynamo=False, opset_version=opset, input_names=list(INPUT_NAMES),
-                          output_names=list(OUTPUT_NAMES))
+                          output_names=list(model.output_names))
     graph = onnx.load(path)
     # The tracer leaves the outputs' sizes symbolic ("TopKscores_dim_0"); they are fixed, and runtimes that plan
     # memory ahead (TensorRT) prefer to read them from the file.
-    k = model.max_per_img
-    for output, dims in zip(graph.graph.output, ((1, k, 4), (1, k), (1, k))):
+    for output, dims in zip(graph.graph.output, model.output_shapes()):
         for dim, size in zip(output.type.tensor_type.shape.dim, dims):
             dim.Clear()
             dim.dim_value = size
@@ -321,12 +411,18 @@ class VerifyReport:
     proposals_reordered: Optional[int] = None
     proposal_score_max_abs: Optional[float] = None
     proposal_atol: float = PROPOSAL_ATOL
+    # Mask families: a box also matches within box_atol pixels (a mask-boundary pixel whose logit is within rounding
+    # of 0 may flip and move the mask's box by one), and the smallest IoU of matched masks.
+    box_atol: float = 0.0
+    mask_min_iou: Optional[float] = None
+    mask_iou_min: float = 0.99
 
     @property
     def passed(self) -> bool:
-        # Matched ranks are within box_rtol by construction.
+        # Matched ranks are within box_rtol (or box_atol) by construction.
         proposals_ok = self.proposal_score_max_abs is None or self.proposal_score_max_abs <= self.proposal_atol
-        return not self.unmatched_ranks and self.score_max_abs <= self.score_atol and proposals_ok
+        masks_ok = self.mask_min_iou is None or self.mask_min_iou >= self.mask_iou_min
+        return not self.unmatched_ranks and self.score_max_abs <= self.score_atol and proposals_ok and masks_ok
 
     def lines(self) -> List[str]:
         lines = [
@@ -337,6 +433,9 @@ class VerifyReport:
             + (f" {self.unmatched_ranks[:10]}" if self.unmatched_ranks else "")
             + f", {self.swapped_near_ties} near-tie swaps",
         ]
+        if self.mask_min_iou is not None:
+            lines.append(f"masks:  smallest IoU of matched masks {self.mask_min_iou:.6f} (limit "
+                         f"{self.mask_iou_min:g}); boxes also match within {self.box_atol:g} px")
         if self.proposals_reordered is not None:
             lines.append(f"two-stage proposals: ONNX Runtime's top-k is PyTorch's within "
                          f"{self.proposal_score_max_abs:.3g} (limit {self.proposal_atol:g}, encoder logits); "
@@ -350,27 +449,43 @@ def _box_rel(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def compare_detections(got: Sequence[torch.Tensor], expected: Sequence[torch.Tensor], box_rtol: float = 1e-3,
-                       score_atol: float = 1e-4) -> VerifyReport:
-    """Compare ``(boxes, scores, labels)`` of one image (batch 1) as :class:`VerifyReport` describes."""
-    boxes, scores, labels = (t[0] for t in got)
-    exp_boxes, exp_scores, exp_labels = (t[0] for t in expected)
+                       score_atol: float = 1e-4, box_atol: float = 0.0) -> VerifyReport:
+    """Compare ``(boxes, scores, labels[, masks])`` of one image (batch 1) as :class:`VerifyReport` describes."""
+    boxes, scores, labels = (t[0] for t in got[:3])
+    exp_boxes, exp_scores, exp_labels = (t[0] for t in expected[:3])
+
+    def box_matches(box, others):
+        return (_box_rel(box[None], others) <= box_rtol) | ((box[None] - others).abs().amax(-1) <= box_atol)
+
     score_err = float((scores - exp_scores).abs().max())
     unmatched, swaps, box_abs, box_rel = [], 0, 0.0, 0.0
+    partner = {}  # rank -> the expected rank it matched
     for rank in range(len(scores)):
-        if labels[rank] == exp_labels[rank]:
-            rel = float(_box_rel(boxes[rank], exp_boxes[rank]))
-            if rel <= box_rtol:
-                box_abs = max(box_abs, float((boxes[rank] - exp_boxes[rank]).abs().max()))
-                box_rel = max(box_rel, rel)
-                continue
+        if labels[rank] == exp_labels[rank] and bool(box_matches(boxes[rank], exp_boxes[rank][None])[0]):
+            partner[rank] = rank
+            box_abs = max(box_abs, float((boxes[rank] - exp_boxes[rank]).abs().max()))
+            box_rel = max(box_rel, float(_box_rel(boxes[rank], exp_boxes[rank])))
+            continue
         candidates = (((exp_scores - scores[rank]).abs() <= score_atol) & (exp_labels == labels[rank])).nonzero()
-        rel = float(_box_rel(boxes[rank][None], exp_boxes[candidates.flatten()]).min()) if len(candidates) else None
-        if rel is not None and rel <= box_rtol:
+        candidates = candidates.flatten()
+        close = candidates[box_matches(boxes[rank], exp_boxes[candidates])] if len(candidates) else candidates
+        if len(close):
             swaps += 1
-            box_rel = max(box_rel, rel)
+            partner[rank] = int(close[0])
+            box_rel = max(box_rel, float(_box_rel(boxes[rank], exp_boxes[partner[rank]])))
         else:
             unmatched.append(rank)
-    return VerifyReport(score_err, box_abs, box_rel, swaps, unmatched, box_rtol, score_atol)
+    report = VerifyReport(score_err, box_abs, box_rel, swaps, unmatched, box_rtol, score_atol, box_atol=box_atol)
+    if len(got) > 3:
+        masks, exp_masks = got[3][0].bool(), expected[3][0].bool()
+        ious = [_mask_iou(masks[rank], exp_masks[other]) for rank, other in partner.items()]
+        report.mask_min_iou = min(ious) if ious else 1.0
+    return report
+
+
+def _mask_iou(a: torch.Tensor, b: torch.Tensor) -> float:
+    union = int((a | b).sum())
+    return 1.0 if union == 0 else int((a & b).sum()) / union
 
 
 def _with_proposal_indices_output(graph) -> Optional[str]:
@@ -408,7 +523,7 @@ def _proposals_in_order(num_queries: int, indices: torch.Tensor, seen: list):
         torch.topk = original
 
 
-def verify_onnx(path: str, model: DETRExportModel, image: Optional[torch.Tensor] = None, seed: int = 0,
+def verify_onnx(path: str, model: _ExportModel, image: Optional[torch.Tensor] = None, seed: int = 0,
                 box_rtol: float = 1e-3, score_atol: float = 1e-4) -> VerifyReport:
     """Run ``path`` in ONNX Runtime (CPU) and ``model`` in PyTorch on ``image`` (random if None) and compare."""
     try:
@@ -423,21 +538,25 @@ def verify_onnx(path: str, model: DETRExportModel, image: Optional[torch.Tensor]
     proposals = _with_proposal_indices_output(graph) if getattr(detector, "as_two_stage", False) else None
     session = onnxruntime.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
     del graph
-    outputs = list(OUTPUT_NAMES) + ([proposals] if proposals else [])
+    outputs = list(model.output_names) + ([proposals] if proposals else [])
     got = [torch.from_numpy(t) for t in session.run(outputs, {INPUT_NAMES[0]: image.numpy()})]
-    if proposals and tuple(got[3].shape) != (1, detector.num_queries):
-        raise RuntimeError(f"the graph's first TopK gives {tuple(got[3].shape)} indices, not the (1, "
+    num_outputs = len(model.output_names)
+    proposal_indices = got[num_outputs] if proposals else None
+    if proposals and tuple(proposal_indices.shape) != (1, detector.num_queries):
+        raise RuntimeError(f"the graph's first TopK gives {tuple(proposal_indices.shape)} indices, not the (1, "
                            f"{detector.num_queries}) proposals of mmdet 3.3's pre_decoder")
     seen: list = []
-    order = _proposals_in_order(detector.num_queries, got[3], seen) if proposals else contextlib.nullcontext()
+    order = (_proposals_in_order(detector.num_queries, proposal_indices, seen) if proposals
+             else contextlib.nullcontext())
     with order, torch.no_grad():
         expected = model(image)
-    report = compare_detections(got[:3], expected, box_rtol, score_atol)
+    box_atol = 1.0 if "masks" in model.output_names else 0.0
+    report = compare_detections(got[:num_outputs], expected, box_rtol, score_atol, box_atol=box_atol)
     if proposals:
         if not seen:
             raise RuntimeError("the proposal top-k of the PyTorch model was not found (not mmdet 3.3's pre_decoder?)")
         scores, own_values = seen[0]
-        picked = scores.gather(1, got[3]).sort(dim=1, descending=True).values
+        picked = scores.gather(1, proposal_indices).sort(dim=1, descending=True).values
         report.proposal_score_max_abs = float((picked - own_values).abs().max())
-        report.proposals_reordered = int((got[3] != scores.topk(detector.num_queries, dim=1).indices).sum())
+        report.proposals_reordered = int((proposal_indices != scores.topk(detector.num_queries, dim=1).indices).sum())
     return report

@@ -1,7 +1,7 @@
 """tools/export_onnx.py: detectors exported and verified in ONNX Runtime, and a one-line message for each bad request.
 
-The demo detector and one stock family (Deformable-DETR two-stage, R-50, random weights) at 128x128 run here; the
-other families are run by hand (docs/deployment.md lists the commands and the numbers).
+The demo detector and two stock families (Deformable-DETR two-stage and Mask2Former instance, R-50, random weights) at
+128x128 run here; the other families are run by hand (docs/deployment.md lists the commands and the numbers).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
 TWO_STAGE_CONFIG = (REPO_ROOT / "configs" / "deformable_detr"
                     / "deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py")
+MASK2FORMER_CONFIG = REPO_ROOT / "configs" / "mask2former" / "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py"
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,42 @@ def test_stock_two_stage_deformable_detr_exports_and_verifies(tool, tmp_path, ca
     assert domains <= {"", "ai.onnx"} and "GridSample" in operators
 
 
+def test_mask2former_instance_segmentation_exports_and_verifies(tool, tmp_path, capsys):
+    out = tmp_path / "mask2former.onnx"
+    status = tool.main([str(MASK2FORMER_CONFIG), "--out", str(out), "--shape", "128", "128", "--verify"])
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "verify: PASSED" in printed and "masks:  smallest IoU" in printed
+    # The pixel decoder's MSDA attends over the backbone's three coarsest maps (strides 8, 16, 32).
+    assert "MSDA levels at this size: 16x16, 8x8, 4x4 (336 keys)" in printed
+    inputs, outputs, domains, operators = graph_signature(out)
+    assert inputs == {"image": [1, 3, 128, 128]}
+    assert outputs == {"boxes": [1, 100, 4], "scores": [1, 100], "labels": [1, 100], "masks": [1, 100, 128, 128]}
+    assert domains <= {"", "ai.onnx"} and "GridSample" in operators
+
+
+def test_mask_detections_are_compared_mask_by_mask():
+    from deform_plugin.integration.mmdet_detr_onnx import compare_detections
+    masks = torch.zeros(1, 2, 40, 40, dtype=torch.bool)
+    masks[0, 0, 2:22, 3:23] = True
+    masks[0, 1, 15:35, 15:35] = True
+    boxes = torch.tensor([[[3.0, 2.0, 23.0, 22.0], [15.0, 15.0, 35.0, 35.0]]])
+    expected = (boxes, torch.tensor([[0.9, 0.8]]), torch.tensor([[1, 4]]), masks)
+    flipped = masks.clone()
+    flipped[0, 0, 21, 3:23] = False  # the boundary row: IoU 380/400, the box moves by one pixel
+    got = (boxes - torch.tensor([0.0, 0.0, 0.0, 1.0]), expected[1], expected[2], flipped)
+    report = compare_detections(got, expected, box_atol=1.0)
+    assert not report.passed and report.mask_min_iou == pytest.approx(0.95)  # under 0.99
+    flipped[0, 0, 21, 3:23] = True
+    flipped[0, 0, 21, 22] = False  # one boundary pixel: IoU 399/400
+    report = compare_detections(got, expected, box_atol=1.0)
+    assert report.passed and report.mask_min_iou == pytest.approx(399 / 400)
+    flipped[0, 1, 15:25] = False  # half a mask
+    report = compare_detections(got[:3] + (flipped,), expected, box_atol=1.0)
+    assert not report.passed and report.mask_min_iou == pytest.approx(0.5)
+    assert not compare_detections(got, expected).passed  # boxes without the pixel tolerance
+
+
 def test_read_image_is_bgr_resized(tool, tmp_path):
     import cv2
     import numpy as np
@@ -119,6 +156,10 @@ BAD_REQUESTS = {
                                         "model.data_preprocessor.pad_size_divisor=32"],
                            "100x100 is not a multiple of the data preprocessor's pad_size_divisor 32.*"
                            "--shape 128 128"),
+    "panoptic-mask2former": (lambda tmp: [str(REPO_ROOT / "configs" / "mask2former"
+                                              / "mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin.py"), *SIZE],
+                             "Mask2Former is exported with its instance-segmentation outputs only: this config has 53 "
+                             "stuff classes"),
     "opset-without-gridsample": (lambda tmp: [str(DEMO_CONFIG), *SIZE, "--opset", "15"],
                                  "opset 15 is not supported"),
 }
