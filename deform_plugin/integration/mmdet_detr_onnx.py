@@ -335,8 +335,9 @@ class Mask2FormerExportModel(_ExportModel):
         mask_logits = mask_logits[torch.div(index, self.num_classes, rounding_mode="floor")]
         binary = (mask_logits > 0).float()
         mask_scores = (mask_logits.sigmoid() * binary).flatten(1).sum(1) / (binary.flatten(1).sum(1) + 1e-6)
-        scores = scores * mask_scores
-        scores, order = scores.sort(descending=True)
+        # A top-k of all K rather than a sort: TensorRT's TopK needs a constant K, and a sort exports one sized at run
+        # time.
+        scores, order = (scores * mask_scores).topk(self.max_per_img)
         masks = binary.bool()[order]
         return mask_boxes(masks)[None], scores[None], labels[order][None], masks[None]
 
