@@ -162,15 +162,10 @@ def mask2former_loss_by_feat_batched(self, all_cls_scores, all_mask_preds, batch
     # new_tensor(list) would be a blocking copy (as would mmdet's CrossEntropyLoss make its class weights per call).
     class_weight = _to_device_without_blocking(torch.tensor(self.class_weight, dtype=all_cls_scores[0].dtype), device)
     # mmdet's avg_factor: each image counts its matched masks, at least one.
-    avg_factors = [count + empty for count, empty in zip(counts, empty_images)]
-    if len(set(avg_factors)) == 1:  # always with Hungarian matching: every layer matches every gt
-        shared = reduce_mean(_to_device_without_blocking(torch.tensor([float(avg_factors[0])]), device).to(
-            all_cls_scores[0].dtype))
-        normalisers = [shared] * num_layers
-    else:
-        normalisers = [reduce_mean(_to_device_without_blocking(torch.tensor([float(factor)]), device).to(
-            all_cls_scores[0].dtype)) for factor in avg_factors]
-    # A mean of per-rank counts that are each at least the number of images: mmdet's max(., 1) never applies.
+    avg_factors = torch.tensor([float(count + empty) for count, empty in zip(counts, empty_images)])
+    # Every layer's in one all-reduce (mmdet makes one per layer); each stays a (1,) tensor, as mmdet's. A mean of
+    # per-rank counts that are each at least the number of images: mmdet's max(., 1) never applies.
+    normalisers = reduce_mean(_to_device_without_blocking(avg_factors, device).to(all_cls_scores[0].dtype)).split(1)
 
     losses_cls, losses_mask, losses_dice = [], [], []
     for layer in range(num_layers):
