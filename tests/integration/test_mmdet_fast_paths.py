@@ -475,3 +475,38 @@ def test_mask2former_one_pass_losses_wait_for_the_gpu_once():
     # Stock: per (layer, image) the cost copy and the sampler's nonzero calls, per layer more; ours: the one copy
     # of every cost matrix to the host.
     assert syncs[0] >= 4 * 2 * 3 and syncs[1] == 1, syncs
+
+
+def _mask2former_ddp_worker(rank, world_size, init_method, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        stock_head = _mask2former_head()
+        fast_head = copy.deepcopy(stock_head)
+        holder = nn.Module()
+        holder.panoptic_head = fast_head
+        apply_fast_paths(holder, batched_matching=True)
+        # Each rank its own gts: the normaliser is the mean of the ranks' matched-mask counts.
+        inputs = _mask2former_loss_inputs(((3, 5), (1, 0))[rank], stock_head.num_classes, seed=rank)
+        results = []
+        for head in (stock_head, fast_head):
+            torch.manual_seed(7)
+            results.append({k: v.detach() for k, v in head.loss_by_feat(*inputs).items()})
+        torch.save(results, out_dir / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mask2former_one_pass_losses_average_the_normaliser_over_ranks_as_stock(tmp_path):
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    mp.spawn(_mask2former_ddp_worker, args=(2, f"tcp://127.0.0.1:{port}", tmp_path), nprocs=2, join=True)
+    for rank in range(2):
+        stock, fast = torch.load(tmp_path / f"rank{rank}.pt")
+        assert list(fast) == list(stock)
+        for name in stock:
+            torch.testing.assert_close(fast[name], stock[name], rtol=1e-5, atol=1e-6, msg=f"rank {rank} {name}")
