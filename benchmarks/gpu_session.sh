@@ -91,7 +91,8 @@ case "$phase" in
 tests)
   start_mmcv_build
   on_gpu 0 with_lite timeout $(( $(left) - 20 )) python3 -m pytest -q -p no:cacheprovider tests/ops tests/models \
-      tests/integration/test_mmdet_graph_inference.py tests/integration/test_mmdet_graphed_training.py 2>&1 | tee "$results/gpu_tests.log" | tail -25 &
+      tests/integration/test_mmdet_graph_inference.py tests/integration/test_mmdet_graphed_training.py \
+      tests/integration/test_mmdet_fast_paths.py 2>&1 | tee "$results/gpu_tests.log" | tail -25 &
   tests_pid=$!
   if [ "$second_gpu" = 1 ]; then
     on_gpu 1 with_lite timeout 150 python3 tools/bench_deform_sdpa.py --out "$results" \
