@@ -6,6 +6,8 @@
 - the sync-free loss normalisers give the stock losses.
 """
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,9 @@ from torch import nn
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import (apply_fast_paths, disable_sdpa_attention, enable_sdpa_attention,
                                                         sdpa_multihead_attention_class)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gloo_ranks import leave_gloo_ranks, run_gloo_ranks  # noqa: E402
 
 
 # ---- SDPA attention brick -----------------------------------------------------------------------------------------
@@ -494,17 +499,14 @@ def _mask2former_ddp_worker(rank, world_size, init_method, out_dir):
             torch.manual_seed(7)
             results.append({k: v.detach() for k, v in head.loss_by_feat(*inputs).items()})
         torch.save(results, out_dir / f"rank{rank}.pt")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_gloo_ranks()
 
 
 def test_mask2former_one_pass_losses_average_the_normaliser_over_ranks_as_stock(tmp_path):
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_mask2former_ddp_worker, args=(2, f"tcp://127.0.0.1:{port}", tmp_path), nprocs=2, join=True)
+    run_gloo_ranks(_mask2former_ddp_worker, tmp_path)
     for rank in range(2):
         stock, fast = torch.load(tmp_path / f"rank{rank}.pt")
         assert list(fast) == list(stock)

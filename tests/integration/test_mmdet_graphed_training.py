@@ -22,6 +22,7 @@ from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedReg
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stock_worker  # noqa: E402
+from gloo_ranks import leave_gloo_ranks, run_gloo_ranks  # noqa: E402
 
 CONFIGS = {"deformable-detr-two-stage":
            "configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py",
@@ -391,20 +392,17 @@ def _ddp_worker(rank, world_size, init_method, out_dir):
             grads.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
         torch.save(dict(grads=grads, replays=caller.region.replays, eager_calls=caller.region.eager_calls),
                    out_dir / f"rank{rank}.pt")
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_gloo_ranks()
 
 
 def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path):
     # DistributedDataParallel reduces a parameter's gradient when autograd accumulates it: the replay's backward
     # hands the parameters their gradients through the same accumulators, so ranks that replay (or run eagerly)
     # end with the mean of every rank's gradients.
-    import socket
-    import torch.multiprocessing as mp
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, f"tcp://127.0.0.1:{port}", tmp_path), nprocs=2, join=True)
+    run_gloo_ranks(_ddp_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     assert [(r["eager_calls"], r["replays"]) for r in ranks] == [(1, 3), (1, 3)]
     torch.manual_seed(0)
