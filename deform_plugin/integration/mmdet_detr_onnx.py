@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Exact classes: a subclass (DDQ-DETR is a DINO) may change the inference path, so it is not accepted silently.
@@ -320,8 +321,6 @@ class Mask2FormerExportModel(_ExportModel):
         return super().output_shapes() + ((1, self.max_per_img, self.height, self.width),)
 
     def forward(self, image: torch.Tensor):
-        import torch.nn.functional as F
-
         from .mmdet_fast_paths.sync_free_forward import mask_boxes
 
         detector = self.detector

@@ -1,14 +1,12 @@
 """Tests that need several processes joined by a gloo process group (torch.distributed on the CPU)."""
 import os
+import sys
 
 
 def run_gloo_ranks(worker, *args, world_size: int = 2, timeout_s: float = 240.0) -> None:
-    """Run ``worker(rank, world_size, init_method, *args)`` in ``world_size`` spawned processes joined by a gloo
-    process group; fail (never hang) if they do not all finish in ``timeout_s``.
-
-    A worker ends with :func:`leave_gloo_ranks`: the teardown of a gloo group (a DDP reducer's, at the worker's
-    return) can deadlock on the GIL with gloo's own threads, and the results are on disk by then.
-    """
+    """Run ``worker(rank, *args)`` in ``world_size`` spawned processes joined by a gloo process group (one torch
+    thread each); fail (never hang) if they do not all finish in ``timeout_s``. ``worker`` is a module-level function
+    that leaves its results on disk."""
     import socket
     import time
 
@@ -18,7 +16,8 @@ def run_gloo_ranks(worker, *args, world_size: int = 2, timeout_s: float = 240.0)
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    context = mp.spawn(worker, args=(world_size, f"tcp://127.0.0.1:{port}", *args), nprocs=world_size, join=False)
+    context = mp.spawn(_rank_main, args=(world_size, f"tcp://127.0.0.1:{port}", worker, args), nprocs=world_size,
+                       join=False)
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -27,11 +26,19 @@ def run_gloo_ranks(worker, *args, world_size: int = 2, timeout_s: float = 240.0)
             pytest.fail(f"{world_size} gloo ranks did not finish within {timeout_s:.0f} s")
 
 
-def leave_gloo_ranks() -> None:
-    """The last call of a :func:`run_gloo_ranks` worker: wait for every rank, then exit without tearing down."""
-    import sys
-
+def _rank_main(rank, world_size, init_method, worker, args):
+    import torch
     import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        worker(rank, *args)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    # Every rank done, then exit without the group's teardown: a gloo group's destructor (a DDP reducer's, when
+    # the worker's objects are freed) can deadlock on the GIL with gloo's own threads.
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -19,7 +19,7 @@ from deform_plugin.integration.mmdet_fast_paths import (apply_fast_paths, disabl
                                                         sdpa_multihead_attention_class)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gloo_ranks import leave_gloo_ranks, run_gloo_ranks  # noqa: E402
+from gloo_ranks import run_gloo_ranks  # noqa: E402
 
 
 # ---- SDPA attention brick -----------------------------------------------------------------------------------------
@@ -482,27 +482,19 @@ def test_mask2former_one_pass_losses_wait_for_the_gpu_once():
     assert syncs[0] >= 4 * 2 * 3 and syncs[1] == 1, syncs
 
 
-def _mask2former_ddp_worker(rank, world_size, init_method, out_dir):
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        stock_head = _mask2former_head()
-        fast_head = copy.deepcopy(stock_head)
-        holder = nn.Module()
-        holder.panoptic_head = fast_head
-        apply_fast_paths(holder, batched_matching=True)
-        # Each rank its own gts: the normaliser is the mean of the ranks' matched-mask counts.
-        inputs = _mask2former_loss_inputs(((3, 5), (1, 0))[rank], stock_head.num_classes, seed=rank)
-        results = []
-        for head in (stock_head, fast_head):
-            torch.manual_seed(7)
-            results.append({k: v.detach() for k, v in head.loss_by_feat(*inputs).items()})
-        torch.save(results, out_dir / f"rank{rank}.pt")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_gloo_ranks()
+def _mask2former_ddp_worker(rank, out_dir):
+    stock_head = _mask2former_head()
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.panoptic_head = fast_head
+    apply_fast_paths(holder, batched_matching=True)
+    # Each rank its own gts: the normaliser is the mean of the ranks' matched-mask counts.
+    inputs = _mask2former_loss_inputs(((3, 5), (1, 0))[rank], stock_head.num_classes, seed=rank)
+    results = []
+    for head in (stock_head, fast_head):
+        torch.manual_seed(7)
+        results.append({k: v.detach() for k, v in head.loss_by_feat(*inputs).items()})
+    torch.save(results, out_dir / f"rank{rank}.pt")
 
 
 def test_mask2former_one_pass_losses_average_the_normaliser_over_ranks_as_stock(tmp_path):

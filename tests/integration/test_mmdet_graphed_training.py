@@ -22,7 +22,7 @@ from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedReg
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stock_worker  # noqa: E402
-from gloo_ranks import leave_gloo_ranks, run_gloo_ranks  # noqa: E402
+from gloo_ranks import run_gloo_ranks  # noqa: E402
 
 CONFIGS = {"deformable-detr-two-stage":
            "configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py",
@@ -370,32 +370,20 @@ def _ddp_batch(rank, step):
             torch.rand(rows, generator=generator, dtype=torch.float64))
 
 
-def _ddp_worker(rank, world_size, init_method, out_dir):
-    import torch.distributed as dist
+def _ddp_worker(rank, out_dir):
     from torch.nn.parallel import DistributedDataParallel
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
-    try:
-        torch.manual_seed(0)
-        net = _Net().double()
-        net.unused.requires_grad_(False)  # DDP (without find_unused_parameters) wants a gradient for the rest
-        caller = _RegionCaller(net)
-        model = DistributedDataParallel(caller)
-        grads = []
-        for step in range(4):  # warm-up, capture, replays
-            model.zero_grad(set_to_none=True)
-            x, scale = _ddp_batch(rank, step)
-            outputs, _ = model(x, scale)
-            generator = torch.Generator().manual_seed(step)
-            (outputs["out"] * torch.randn(outputs["out"].shape, generator=generator, dtype=torch.float64)).sum(
-                ).backward()
-            grads.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
-        torch.save(dict(grads=grads, replays=caller.region.replays, eager_calls=caller.region.eager_calls),
-                   out_dir / f"rank{rank}.pt")
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_gloo_ranks()
+    torch.manual_seed(0)
+    net = _Net().double()
+    net.unused.requires_grad_(False)  # DDP (without find_unused_parameters) wants a gradient for the rest
+    caller = _RegionCaller(net)
+    model = DistributedDataParallel(caller)
+    grads = []
+    for step in range(4):  # warm-up, capture, replays
+        model.zero_grad(set_to_none=True)
+        _step(model, *_ddp_batch(rank, step), step)
+        grads.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
+    torch.save(dict(grads=grads, replays=caller.region.replays, eager_calls=caller.region.eager_calls),
+               out_dir / f"rank{rank}.pt")
 
 
 def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path):
@@ -413,11 +401,7 @@ def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path):
         per_rank = []
         for rank in range(2):
             net.zero_grad(set_to_none=True)
-            x, scale = _ddp_batch(rank, step)
-            outputs, _ = eager(x, scale)
-            generator = torch.Generator().manual_seed(step)
-            (outputs["out"] * torch.randn(outputs["out"].shape, generator=generator, dtype=torch.float64)).sum(
-                ).backward()
+            _step(eager, *_ddp_batch(rank, step), step)
             per_rank.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
         for rank in range(2):
             for got, *expected in zip(ranks[rank]["grads"][step], *per_rank):

@@ -72,30 +72,30 @@ def test_demo_detector_exports_and_verifies_on_an_image(tool, tmp_path, capsys):
     assert domains <= {"", "ai.onnx"} and "GridSample" in operators
 
 
-def test_stock_two_stage_deformable_detr_exports_and_verifies(tool, tmp_path, capsys):
-    out = tmp_path / "two_stage.onnx"
-    status = tool.main([str(TWO_STAGE_CONFIG), "--out", str(out), "--shape", "128", "128", "--verify"])
+def _export_and_verify_at_128(tool, config, out, capsys):
+    """The tool's printout and the file's signature after ``--shape 128 128 --verify`` (which must pass)."""
+    status = tool.main([str(config), "--out", str(out), "--shape", "128", "128", "--verify"])
     printed = capsys.readouterr().out
     assert status == 0, printed
-    assert "verify: PASSED" in printed and "two-stage proposals" in printed
+    assert "verify: PASSED" in printed
     inputs, outputs, domains, operators = graph_signature(out)
     assert inputs == {"image": [1, 3, 128, 128]}
-    assert outputs == {"boxes": [1, 100, 4], "scores": [1, 100], "labels": [1, 100]}
     assert domains <= {"", "ai.onnx"} and "GridSample" in operators
+    return printed, outputs
+
+
+def test_stock_two_stage_deformable_detr_exports_and_verifies(tool, tmp_path, capsys):
+    printed, outputs = _export_and_verify_at_128(tool, TWO_STAGE_CONFIG, tmp_path / "two_stage.onnx", capsys)
+    assert "two-stage proposals" in printed
+    assert outputs == {"boxes": [1, 100, 4], "scores": [1, 100], "labels": [1, 100]}
 
 
 def test_mask2former_instance_segmentation_exports_and_verifies(tool, tmp_path, capsys):
-    out = tmp_path / "mask2former.onnx"
-    status = tool.main([str(MASK2FORMER_CONFIG), "--out", str(out), "--shape", "128", "128", "--verify"])
-    printed = capsys.readouterr().out
-    assert status == 0, printed
-    assert "verify: PASSED" in printed and "masks:  smallest IoU" in printed
+    printed, outputs = _export_and_verify_at_128(tool, MASK2FORMER_CONFIG, tmp_path / "mask2former.onnx", capsys)
+    assert "masks:  smallest IoU" in printed
     # The pixel decoder's MSDA attends over the backbone's three coarsest maps (strides 8, 16, 32).
     assert "MSDA levels at this size: 16x16, 8x8, 4x4 (336 keys)" in printed
-    inputs, outputs, domains, operators = graph_signature(out)
-    assert inputs == {"image": [1, 3, 128, 128]}
     assert outputs == {"boxes": [1, 100, 4], "scores": [1, 100], "labels": [1, 100], "masks": [1, 100, 128, 128]}
-    assert domains <= {"", "ai.onnx"} and "GridSample" in operators
 
 
 def test_mask_detections_are_compared_mask_by_mask():
