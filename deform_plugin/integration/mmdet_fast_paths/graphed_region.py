@@ -6,14 +6,9 @@ one call. :class:`GraphedRegion` wraps a function ``fn(*inputs) -> (outputs, con
 tensors (or None) computed on the device, ``constants`` anything that is the same for every call of one signature
 (for example level tables cached on the host's sizes) — and runs it:
 
-- eagerly the first time a signature of a new *family* is seen (the same dtypes, autocast state, train/eval mode
-  and trainable parameters; any shapes): that call is the warm-up (Triton compiles, cuDNN/cuBLAS handles and
-  workspaces);
-- the next time, it captures the forward and the backward (``torch.autograd.grad`` of the differentiable outputs
-  with respect to the trainable parameters) and replays them from then on. Once a family has a captured signature,
-  a new shape of it is captured at its first call: a random-resize pipeline meets a few dozen padded shapes early
-  in training, and an eager warm-up of each costs about two replays (the kernels are shape-stable, so a new shape
-  compiles nothing). Should such a capture fail, that call runs eagerly and the shape gets the ordinary warm-up.
+- eagerly the first time a signature is seen: that call is the warm-up (Triton compiles, cuDNN/cuBLAS plans);
+- the second time, it captures the forward and the backward (``torch.autograd.grad`` of the differentiable outputs
+  with respect to the trainable parameters) and replays them from then on.
 
 Inputs that require grad (for example query embeddings looked up outside the region) get their gradients from the
 backward graph too; the others are data (images, sizes, masks).
@@ -119,7 +114,7 @@ class _Replay(torch.autograd.Function):
 
 
 class GraphedRegion:
-    """Run ``fn`` from captured CUDA graphs, one pair per input signature, after an eager warm-up per family.
+    """Run ``fn`` eagerly on a signature's first call, from captured CUDA graphs on later calls.
 
     Args:
         fn: ``fn(*inputs) -> (outputs, constants)``; ``inputs`` are tensors on one CUDA device (data such as
@@ -140,7 +135,6 @@ class GraphedRegion:
         self.captured: Dict[tuple, _Captured] = {}
         self.calls_seen: Dict[tuple, int] = {}
         self.eager_reasons: Dict[tuple, str] = {}
-        self.warm_families: set = set()  # families (see family()) with a captured signature
         self.shared = _SharedBuffers()
         self.param_grad_buffers: Dict[int, torch.Tensor] = {}
         self.pool = None
@@ -162,11 +156,6 @@ class GraphedRegion:
         return tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in inputs) + (
             autocast, self.module.training, trainable)
 
-    @staticmethod
-    def family(key: tuple) -> tuple:
-        """A signature without its shapes: what a warm-up call prepares for every shape."""
-        return tuple(part[1:] for part in key[:-3]) + key[-3:]
-
     def __call__(self, *inputs: torch.Tensor) -> Tuple[Any, Any]:
         if not (torch.is_grad_enabled() and all(x.device.type == self.device_type for x in inputs)):
             return self._eager(inputs)
@@ -177,13 +166,12 @@ class GraphedRegion:
                 return self._eager(inputs)
             seen = self.calls_seen.get(key, 0) + 1
             self.calls_seen[key] = seen
-            first_sight_of_warm_family = seen == 1 and self.family(key) in self.warm_families
-            if seen == 1 and not first_sight_of_warm_family:  # the warm-up
+            if seen == 1:  # the warm-up
                 return self._eager(inputs)
             if len(self.captured) >= self.max_graphs:
                 self._fall_back(key, f"{self.max_graphs} signatures are captured already (max_graphs)")
                 return self._eager(inputs)
-            entry = self._capture_or_fall_back(key, inputs, final=not first_sight_of_warm_family)
+            entry = self._capture_or_fall_back(key, inputs)
             if entry is None:
                 return self._eager(inputs)
         if self.awaiting_backward is not None and self.awaiting_backward() is not None:
@@ -227,9 +215,7 @@ class GraphedRegion:
         return grads[:len(entry.static_input_grads)], grads[len(entry.static_input_grads):]
 
     # -- capture ----------------------------------------------------------------------------------------------------
-    def _capture_or_fall_back(self, key, inputs, final: bool = True) -> Optional[_Captured]:
-        """The captured graphs of ``key``, or None after a failed capture (which makes ``key`` run eagerly for good
-        when ``final``; otherwise the signature is warmed up eagerly and captured at its next call)."""
+    def _capture_or_fall_back(self, key, inputs) -> Optional[_Captured]:
         started = time.perf_counter()
         try:
             try:
@@ -250,12 +236,10 @@ class GraphedRegion:
                     raise RuntimeError(f"deform_plugin: the CUDA graph capture of {self.name} failed ({reason}) and "
                                        f"left CUDA unusable ({str(broken).splitlines()[0]}); turn the cuda_graphs "
                                        "fast path off for this model") from error
-            if final:
-                self._fall_back(key, f"its capture failed ({reason})")
+            self._fall_back(key, f"its capture failed ({reason})")
             return None
         self.capture_seconds += time.perf_counter() - started
         self.captured[key] = entry
-        self.warm_families.add(self.family(key))
         return entry
 
     def release_cached_memory(self, device: torch.device) -> None:
