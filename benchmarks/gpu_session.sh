@@ -5,7 +5,8 @@
 #
 # PHASE:
 #   tests     mmcv's CUDA ops start building in the background (the stock baseline, into the system site); the GPU
-#             tests run meanwhile on mmcv-lite; then the MSDA entry benchmark runs against the stock op.
+#             tests run meanwhile on mmcv-lite; then (after the tests, on a one-GPU host) the MSDA entry benchmark
+#             runs against the stock op.
 #   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours, and the
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
 #   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and a step profile.
@@ -99,6 +100,8 @@ tests)
         > "$results/bench_deform_sdpa.log" 2>&1
   fi
   wait_for_mmcv
+  # On one GPU the timings wait for the tests: sharing the card and the host's cores skews the host-bound rows.
+  [ "$second_gpu" = 0 ] && wait $tests_pid
   on_gpu $second_gpu with_full timeout $(( $(left) - 15 )) python3 tools/bench_msda_entry.py --out "$results" 2>&1 \
       | tee "$results/bench_msda_entry.log" | tail -40
   wait $tests_pid
