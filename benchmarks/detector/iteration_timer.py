@@ -11,6 +11,11 @@ variants our ops have compiled: after ``warmup_iters`` iterations and at the end
 input shapes of the batches (each new one costs cuDNN/cuBLAS plan selection) and the pixels computed against the
 images' own.
 
+It also keeps each iteration's end on the host clock (read without a device sync: a step's own syncs, such as
+the fast paths' one copy for matching, keep the host within about an iteration of the device) and, for graphed
+training, what the iteration ran: ``eager`` (a new shape's warm-up), ``capture`` or ``replay``. The report splits
+the first iterations' time by those kinds: where a slow start goes.
+
 The result goes to a JSON file: ``out_file``, else ``$DEFORM_PLUGIN_TIMING_JSON``, else
 ``<work_dir>/iteration_timing.json``. Usable from a config without deform_plugin::
 
@@ -89,11 +94,16 @@ def fixed_pad_size(preprocessor) -> Optional[Tuple[int, int]]:
     return None
 
 
-def _graphed_training_stats(model) -> Optional[dict]:
+def _graphed_regions(model) -> list:
+    """The graphed training regions of ``model`` (empty without graphed training)."""
+    return [module.graphed_training_region for module in (model.modules() if model is not None else ())
+            if getattr(module, "graphed_training_region", None) is not None]
+
+
+def _graphed_training_stats(model=None, regions=None) -> Optional[dict]:
     """What the graph-replayed training did (captures, their host seconds, eager calls, replays), summed over the
-    model's graphed regions; None without any."""
-    regions = [module.graphed_training_region for module in (model.modules() if model is not None else ())
-               if getattr(module, "graphed_training_region", None) is not None]
+    model's graphed regions (or the ``regions`` given); None without any."""
+    regions = _graphed_regions(model) if regions is None else regions
     if not regions:
         return None
     return dict(captures=sum(len(region.captured) for region in regions),
@@ -167,6 +177,10 @@ class IterationTimerHook(Hook):
         self._shapes_after_warmup = 0
         self._padded_pixels = 0
         self._image_pixels = 0
+        self._iteration_ends: List[float] = []
+        self._iteration_kinds: List[Optional[str]] = []
+        self._graph_counters: Optional[Tuple[int, int, int]] = None
+        self._regions: Optional[list] = None  # found at the first iteration's end (hooks set them up before)
 
     def _check_plugin(self, when: str) -> None:
         loaded = PLUGIN_MODULE in sys.modules
@@ -214,8 +228,38 @@ class IterationTimerHook(Hook):
             self._image_pixels += image_pixels
         if iteration in self._boundary_set:
             self._mark(iteration)
+        self._iteration_ends.append(self.clock())
+        self._iteration_kinds.append(self._graphed_kind(model))
         if iteration == self.warmup_iters:
             self._compiles_after_warmup = compiled_variants_if_loaded()
+
+    def _graphed_kind(self, model) -> Optional[str]:
+        """What the model's graphed regions ran in the iteration that just ended (None without graphed training):
+        ``capture`` if one captured, else ``eager`` if one ran eagerly, else ``replay``."""
+        if self._regions is None:
+            self._regions = _graphed_regions(model)
+        stats = _graphed_training_stats(regions=self._regions)
+        if stats is None:
+            return None
+        counters = (stats["captures"], stats["eager_calls"], stats["replays"])
+        before = self._graph_counters or (0, 0, 0)
+        self._graph_counters = counters
+        if counters[0] > before[0]:
+            return "capture"
+        if counters[1] > before[1]:
+            return "eager"
+        return "replay" if counters[2] > before[2] else None
+
+    def per_iteration(self) -> List[dict]:
+        """Each iteration's host seconds (from the previous iteration's end, the first from training's start) and
+        what its graphed regions ran."""
+        start = self._marks.get(0, (None, 0))[0]
+        entries, previous = [], start
+        for index, (end, kind) in enumerate(zip(self._iteration_ends, self._iteration_kinds)):
+            entries.append(dict(iteration=index + 1, seconds=None if previous is None else end - previous,
+                                kind=kind))
+            previous = end
+        return entries
 
     def window_results(self) -> List[dict]:
         """One dict per window: iterations, images, seconds, img/s and ms/iter (None where not reached)."""
@@ -263,6 +307,7 @@ class IterationTimerHook(Hook):
             peak_allocated_mib=self._peak_allocated / 2 ** 20 if self._uses_cuda else None,
             peak_reserved_mib=self._peak_reserved / 2 ** 20 if self._uses_cuda else None,
             graphed_training=_graphed_training_stats(getattr(runner, "model", None)),
+            per_iteration=self.per_iteration(),
         )
 
     def output_path(self, runner) -> Path:

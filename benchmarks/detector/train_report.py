@@ -4,7 +4,9 @@ Per row: steady-state img/s (and ms/iter), img/s over the whole run and over the
 whole-run to steady img/s (how much warm-up costs), our Triton kernels' compiled variants (and how many appeared
 after the warm-up window), the graph captures of graphed training (and signatures that run eagerly), peak device
 memory (allocated, and reserved: the memory CUDA graphs' pools hold shows there), and the steady-state speedup
-against the config's first row.
+against the config's first row. A second table splits the whole run's time by what each iteration did: the
+first iteration (worker start-up, first compiles), and for graphed training the iterations that warmed a new
+shape up eagerly, those that captured one, and those that replayed.
 """
 from __future__ import annotations
 
@@ -103,7 +105,24 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
                        graph_fallbacks=graphed.get("fallbacks"))
     if steady and metrics["all_img_s"]:
         metrics["all_over_steady"] = metrics["all_img_s"] / steady
+    metrics["split"] = iteration_split(timing.get("per_iteration") or [], windows["all"])
     return metrics
+
+
+def iteration_split(per_iteration: Sequence[dict], window) -> Optional[dict]:
+    """Seconds and iteration counts of a window by kind: ``first`` (iteration 1), then ``eager``, ``capture``,
+    ``replay`` (graphed training) or ``other`` (stock and eager training); None without per-iteration times."""
+    first, last = window
+    entries = [e for e in per_iteration if first <= e["iteration"] <= last and e.get("seconds") is not None]
+    if not entries:
+        return None
+    split: Dict[str, dict] = {}
+    for entry in entries:
+        kind = "first" if entry["iteration"] == 1 else (entry.get("kind") or "other")
+        bucket = split.setdefault(kind, dict(iterations=0, seconds=0.0))
+        bucket["iterations"] += 1
+        bucket["seconds"] += entry["seconds"]
+    return split
 
 
 def summarize(results: Sequence[dict], settings, source: CocoSource) -> dict:
@@ -168,11 +187,36 @@ def markdown(report: dict) -> str:
             f"| {_fmt(m['padded_over_image_pixels'])} "
             f"| {memory} "
             f"| {_fmt(m['speedup'], '.2f', 'x')} |")
+    lines += split_table(report["rows"], whole)
     failed = [r for r in report["results"] if r["status"] != "ok"]
     for result in failed:
         lines += ["", f"**{Path(result['config']).name} {result['row']} failed** (log: {result['log']}):", "",
                   "```", result["error"] or "", "```"]
     return "\n".join(lines) + "\n"
+
+
+SPLIT_KINDS = (("first", "iteration 1"), ("eager", "new shape, eager warm-up"), ("capture", "capture"),
+               ("replay", "replay"), ("other", "other"))
+
+
+def split_table(rows: Sequence[dict], whole) -> list:
+    """Markdown lines: each row's whole-run seconds by iteration kind (iterations, seconds, ms per iteration)."""
+    split_rows = [m for m in rows if m.get("split")]
+    if not split_rows:
+        return []
+    lines = ["", f"Where iterations {whole[0]}-{whole[1]} go (host clock at each iteration's end; iterations, "
+                 "seconds, ms per iteration):", "",
+             "| config | row | " + " | ".join(title for _, title in SPLIT_KINDS) + " |",
+             "|---|---|" + "--:|" * len(SPLIT_KINDS)]
+    for m in split_rows:
+        cells = []
+        for kind, _ in SPLIT_KINDS:
+            part = m["split"].get(kind)
+            cells.append("-" if part is None else
+                         f"{part['iterations']}, {part['seconds']:.2f} s, "
+                         f"{1000 * part['seconds'] / part['iterations']:.0f}")
+        lines.append(f"| {m['config']} | {m['row']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_reports(report: dict, out_dir: Path) -> str:

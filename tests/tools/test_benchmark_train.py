@@ -221,7 +221,10 @@ def test_timer_windows_sync_only_at_boundaries(tmp_path):
                               clock=clock)
     run_fake_training(hook, iterations=6, tmp_path=tmp_path)
     assert hook.boundaries == [0, 2, 3, 4, 6, 9]
-    assert clock.reads == 5  # before training and after iterations 2, 3, 4 and 6; 9 is never reached
+    # Window marks (each with a device sync on a GPU) before training and after iterations 2, 3, 4 and 6 (9 is
+    # never reached); every iteration's end is read once more, without a sync.
+    assert sorted(hook._marks) == [0, 2, 3, 4, 6]
+    assert clock.reads == 5 + 6
     result = json.loads(out.read_text())
     windows = {(w["first"], w["last"]): w for w in result["windows"]}
     assert windows[(1, 2)]["images"] == 4 and windows[(1, 2)]["seconds"] == pytest.approx(1.0)
@@ -291,6 +294,45 @@ def test_timer_reports_the_graph_captures_of_graphed_training(tmp_path):
     result = _timed_batches(tmp_path, model, [[(32, 32)]])
     assert result["graphed_training"] == dict(captures=2, capture_seconds=1.5, eager_calls=3, replays=7, fallbacks=1)
     assert _timed_batches(tmp_path, torch.nn.Linear(2, 2), [[(32, 32)]])["graphed_training"] is None
+
+
+def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
+    from benchmarks.detector.train_report import iteration_split, split_table
+    region = SimpleNamespace(captured={}, capture_seconds=0.0, eager_calls=0, replays=0, eager_reasons={})
+    detector = torch.nn.Linear(2, 2)
+    detector.graphed_training_region = region
+    clock = FakeClock()
+    hook = IterationTimerHook(windows=[(1, 5)], warmup_iters=1, out_file=str(tmp_path / "t.json"), clock=clock)
+    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=torch.nn.Sequential(detector), optim_wrapper=None)
+    hook.before_train(runner)
+    # iteration: (seconds, what the region did): eager warm-up, eager warm-up of another shape, capture, replays.
+    steps = [(2.0, "eager"), (0.5, "eager"), (0.75, "capture"), (0.25, "replay"), (0.125, "replay")]
+    for batch_idx, (seconds, kind) in enumerate(steps):
+        clock.now += seconds
+        if kind == "eager":
+            region.eager_calls += 1
+        elif kind == "capture":
+            region.captured[batch_idx] = object()
+            region.replays += 1  # a capture's iteration replays too: it counts as the capture
+        else:
+            region.replays += 1
+        hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=[None, None]))
+    hook.after_train(runner)
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert [(e["iteration"], e["kind"]) for e in result["per_iteration"]] == [
+        (1, "eager"), (2, "eager"), (3, "capture"), (4, "replay"), (5, "replay")]
+    assert [e["seconds"] for e in result["per_iteration"]] == pytest.approx([s for s, _ in steps])
+    split = iteration_split(result["per_iteration"], (1, 5))
+    assert split == dict(first=dict(iterations=1, seconds=2.0), eager=dict(iterations=1, seconds=0.5),
+                         capture=dict(iterations=1, seconds=0.75), replay=dict(iterations=2, seconds=0.375))
+    assert iteration_split(result["per_iteration"], (4, 5)) == dict(replay=dict(iterations=2, seconds=0.375))
+    table = split_table([dict(config="c.py", row="ours:bf16", split=split)], (1, 5))
+    assert table[-1] == "| c.py | ours:bf16 | 1, 2.00 s, 2000 | 1, 0.50 s, 500 | 1, 0.75 s, 750 | 2, 0.38 s, 188 | - |"
+    # Stock training (no graphed region): every iteration after the first is "other".
+    stock = IterationTimerHook(windows=[(1, 3)], out_file=str(tmp_path / "s.json"), clock=FakeClock())
+    run_fake_training(stock, iterations=3, tmp_path=tmp_path)
+    stock_split = iteration_split(json.loads((tmp_path / "s.json").read_text())["per_iteration"], (1, 3))
+    assert stock_split == dict(first=dict(iterations=1, seconds=0.5), other=dict(iterations=2, seconds=1.0))
 
 
 def test_timer_rejects_bad_windows():
