@@ -17,11 +17,17 @@ fraction, kernels per step, host syncs per step (synchronising CUDA runtime call
 (``aten::_local_scalar_dense``: ``.item()``, ``bool(tensor)`` and friends, which wait for the device on a GPU) and
 the host time in each named range. Work inside ``wait_for_device`` is the benchmark's, not the step's: it is left
 out of the host times and counts.
+
+The profiler's own cost falls on the host (each op and launch it records), so a host-bound step is slower under it
+and its GPU looks idler than it is. :func:`profile_training` therefore also times the same steps without the
+profiler: ``busy_fraction_unprofiled`` is the device's busy time per step (the union of kernel intervals, which
+the profiler hardly changes) over that unprofiled wall time, the fraction a user's step keeps the GPU busy.
 """
 from __future__ import annotations
 
 import math
 import re
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from typing import Optional
@@ -134,12 +140,18 @@ def _in_range(function, name: str):
 def profile_training(model, optim_wrapper, batch, device: torch.device, steps: int, trace_path: Optional[str],
                      msda_pattern: re.Pattern) -> dict:
     """Two steps outside the profiler (no first-call effects inside it: the first warms up, the second captures
-    the CUDA graphs of the ``cuda_graphs`` fast path), then ``steps`` profiled steps."""
+    the CUDA graphs of the ``cuda_graphs`` fast path), ``steps`` steps timed without the profiler, then ``steps``
+    profiled steps."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model.train()
     for _ in range(2):
         profiled_train_step(model, optim_wrapper, batch, device)
+    with matching_ranges(model):  # the same ranges as the profiled steps (near-free without a profiler)
+        started = time.perf_counter()
+        for _ in range(steps):
+            profiled_train_step(model, optim_wrapper, batch, device)
+        unprofiled_ms = 1e3 * (time.perf_counter() - started) / steps if steps else None
     with matching_ranges(model), profile(activities=activities) as prof:
         for _ in range(steps):
             profiled_train_step(model, optim_wrapper, batch, device)
@@ -147,7 +159,17 @@ def profile_training(model, optim_wrapper, batch, device: torch.device, steps: i
         prof.export_chrome_trace(trace_path)
     result = analyse_profile(prof.events(), steps, device, msda_pattern)
     result["trace"] = trace_path
+    result.update(unprofiled_step_wall_ms=unprofiled_ms,
+                  busy_fraction_unprofiled=unprofiled_busy_fraction(result, unprofiled_ms))
     return result
+
+
+def unprofiled_busy_fraction(result: dict, unprofiled_ms: Optional[float]) -> Optional[float]:
+    """The device's busy time per profiled step over the wall time of a step without the profiler (CUDA rows)."""
+    busy, wall = result.get("busy_fraction"), result.get("step_wall_ms")
+    if result.get("time_kind") != "CUDA" or None in (busy, wall, unprofiled_ms) or unprofiled_ms <= 0:
+        return None
+    return min(1.0, busy * wall / unprofiled_ms)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -250,8 +272,12 @@ def profile_lines(label: str, p: dict) -> str:
     parts = ", ".join(f"{k} {v:.1f}" for k, v in p["components_ms_per_step"].items())
     busy = f"{100 * p['busy_fraction']:.0f}%" if p["busy_fraction"] is not None else "n/a"
     host_ranges = ", ".join(f"{k} {v:.2f}" for k, v in p["host_ms_per_step"].items())
+    unprofiled = ""
+    if p.get("busy_fraction_unprofiled") is not None:
+        unprofiled = (f" (without the profiler: step wall {p['unprofiled_step_wall_ms']:.1f} ms, busy "
+                      f"{100 * p['busy_fraction_unprofiled']:.0f}%)")
     lines = [f"{label} [profile] {p['time_kind']} ms/step: {parts}; step wall {p['step_wall_ms']:.1f} ms, "
-             f"busy {busy}; host ms/step in ranges: {host_ranges}"]
+             f"busy {busy}{unprofiled}; host ms/step in ranges: {host_ranges}"]
     if p["time_kind"] == "CUDA":
         host = ", ".join(f"{k} {v:.1f}" for k, v in p["host_components_ms_per_step"].items())
         lines.append(f"{label} [profile] host ms/step: {host}; kernels/step {p['kernels_per_step']:.0f}, "

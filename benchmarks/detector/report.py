@@ -41,6 +41,10 @@ def _fmt(value, spec: str) -> str:
     return format(value, spec) if value is not None else "-"
 
 
+def _fmt_percent(fraction) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.0f}%"
+
+
 def _status(r: dict) -> str:
     status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('error', '')}"
     if (r.get("train") or {}).get("losses_finite") is False:
@@ -84,7 +88,8 @@ def _profile_table(rows: List[dict]) -> Optional[str]:
     profiled = [r for r in rows if r.get("profile")]
     if not profiled:
         return None
-    header = ["row", "time", "step wall ms", "busy", "kernels (ops)/step", "host syncs/step", "host reads/step",
+    header = ["row", "time", "step wall ms", "busy", "unprofiled step wall ms", "busy (unprofiled wall)",
+              "kernels (ops)/step", "host syncs/step", "host reads/step",
               *PROFILE_COMPONENTS]
     lines = []
     for r in profiled:
@@ -95,11 +100,15 @@ def _profile_table(rows: List[dict]) -> Optional[str]:
                       (f" ({p['host_components_ms_per_step'][c]:.1f})" if cuda else "") for c in PROFILE_COMPONENTS]
         lines.append([r["row"], p["time_kind"], _fmt(p.get("step_wall_ms"), ".1f"),
                       f"{100 * busy:.0f}%" if busy is not None else "-",
+                      _fmt(p.get("unprofiled_step_wall_ms"), ".1f"),
+                      _fmt_percent(p.get("busy_fraction_unprofiled")),
                       _fmt(p.get("kernels_per_step", p.get("ops_per_step")), ".0f"),
                       _fmt(p.get("host_syncs_per_step"), ".0f"), _fmt(p.get("host_reads_per_step"), ".0f"),
                       *components])
     return ("profile, ms per step by component: device time (CUDA kernels, or CPU op self-time on a CPU), with "
-            "the host time that issued it in parentheses on CUDA rows; host syncs = synchronising CUDA runtime "
+            "the host time that issued it in parentheses on CUDA rows; busy = union of kernel time over the step's "
+            "wall time, under the profiler (whose overhead falls on the host) and over the same steps' wall time "
+            "without it; host syncs = synchronising CUDA runtime "
             "calls, host reads = aten::_local_scalar_dense (.item() and friends)\n" + markdown_table(header, lines))
 
 
@@ -122,7 +131,8 @@ CSV_FIELDS = ("config", "row", "backend", "mode", "fast", "shape", "status", "er
               "train_median_ms", "train_p20_ms", "train_p80_ms", "train_std_ms", "img_per_s", "train_speedup",
               "peak_allocated_mb", "peak_reserved_mb", "memory_ratio", "first_loss", "infer_median_ms", "infer_fps",
               "infer_speedup", "new_sizes_img_per_s", "seen_sizes_img_per_s", "new_size_cost_ms",
-              "profile_step_wall_ms", "profile_busy_fraction", "profile_kernels_per_step",
+              "profile_step_wall_ms", "profile_busy_fraction", "profile_unprofiled_step_wall_ms",
+              "profile_busy_fraction_unprofiled", "profile_kernels_per_step",
               "profile_host_syncs_per_step", "profile_host_reads_per_step",
               *[f"profile_{c}_ms" for c in PROFILE_COMPONENTS], *[f"profile_host_{c}_ms" for c in PROFILE_COMPONENTS],
               "host_forward_ms", "host_backward_ms", "host_matching_ms", "host_optimizer_ms")
@@ -145,6 +155,8 @@ def csv_row(r: dict) -> dict:
            "seen_sizes_img_per_s": (v.get("seen_sizes") or {}).get("img_per_s"),
            "new_size_cost_ms": v.get("new_size_cost_ms"),
            "profile_step_wall_ms": p.get("step_wall_ms"), "profile_busy_fraction": p.get("busy_fraction"),
+           "profile_unprofiled_step_wall_ms": p.get("unprofiled_step_wall_ms"),
+           "profile_busy_fraction_unprofiled": p.get("busy_fraction_unprofiled"),
            "profile_kernels_per_step": p.get("kernels_per_step", p.get("ops_per_step")),
            "profile_host_syncs_per_step": p.get("host_syncs_per_step"),
            "profile_host_reads_per_step": p.get("host_reads_per_step")}

@@ -130,6 +130,8 @@ def test_profile_tool_writes_breakdown_chart_and_trace(micro_config, tmp_path):
     assert components["MSDA"] > 0 and components["convolution"] > 0 and components["GEMM"] > 0
     assert row["profile"]["host_ms_per_step"]["msda"] > 0
     assert 0 < row["profile"]["busy_fraction"] <= 1.05
+    assert row["profile"]["unprofiled_step_wall_ms"] > 0
+    assert row["profile"]["busy_fraction_unprofiled"] is None  # CPU row: no device to keep busy
     assert "host reads/step (aten::_local_scalar_dense)" in stdout
     assert os.path.getsize(row["profile"]["trace"]) > 0
     assert (out_dir / "profile.png").exists()

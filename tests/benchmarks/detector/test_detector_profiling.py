@@ -7,7 +7,8 @@ import torch
 from torch import nn
 from torch.autograd import DeviceType
 
-from benchmarks.detector.profiling import analyse_profile, matching_ranges, profiled_train_step
+from benchmarks.detector.profiling import (analyse_profile, matching_ranges, profiled_train_step,
+                                          unprofiled_busy_fraction)
 
 MSDA = re.compile(r"ms_?deform|msda", re.I)
 CPU, GPU = DeviceType.CPU, DeviceType.CUDA
@@ -84,6 +85,15 @@ def test_cpu_profile_analysis_charges_ranges_and_counts_reads():
     assert result["host_syncs_per_step"] is None and result["host_reads_per_step"] == 1
     assert result["busy_fraction"] == pytest.approx(0.21)
     assert result["host_ms_per_step"] == {"msda": pytest.approx(0.2)}
+
+
+def test_busy_fraction_against_the_unprofiled_step():
+    # 46 ms of device work in a 100 ms profiled step; the same step takes 60 ms without the profiler.
+    profiled = dict(time_kind="CUDA", busy_fraction=0.46, step_wall_ms=100.0)
+    assert unprofiled_busy_fraction(profiled, 60.0) == pytest.approx(46 / 60)
+    assert unprofiled_busy_fraction(profiled, 40.0) == 1.0  # capped: timing noise cannot make it exceed the wall
+    assert unprofiled_busy_fraction(profiled, None) is None
+    assert unprofiled_busy_fraction(dict(profiled, time_kind="CPU"), 60.0) is None  # no device on CPU rows
 
 
 def _assigner_class():
