@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -126,6 +126,25 @@ def optim_wrapper_config(cfg, mode: str, plugin: bool = False):
     ow["dtype"] = "float16" if mode == "fp16" else "bfloat16"
     ow.setdefault("loss_scale", "dynamic")
     return ow
+
+
+@contextmanager
+def runner_logging(cfg, row: Row):
+    """What the Runner's logging of ``cfg`` does to the steps run inside: with deform_plugin's
+    ``DeferredRuntimeInfoHook`` (the configs/fast variants) a ``SyncFree*OptimWrapper`` keeps the gradient norm on
+    the device instead of reading it every step, as in the user's run; otherwise nothing changes. Yields whether
+    logging is deferred."""
+    runtime_info = (cfg.get("default_hooks") or {}).get("runtime_info") or {}
+    if not row.plugin or runtime_info.get("type") != "DeferredRuntimeInfoHook":
+        yield False
+        return
+    from deform_plugin.engine.sync_free import DEFERRED_SCALARS
+    DEFERRED_SCALARS.active = True
+    try:
+        yield True
+    finally:
+        DEFERRED_SCALARS.active = False
+        DEFERRED_SCALARS.discard()
 
 
 def autocast_for(mode: str, device: torch.device):

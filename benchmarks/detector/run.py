@@ -19,7 +19,8 @@ import torch
 from benchmarks.common import machine_info, machine_line
 from benchmarks.detector.children import check_still_stock, prepare_stock_process, run_row_in_child
 from benchmarks.detector.configs import (default_shape, drop_pretrained_init, load_config, optim_wrapper_config,
-                                         read_config, resolve_fast_paths, shape_problems, short_config_name)
+                                         read_config, resolve_fast_paths, runner_logging, shape_problems,
+                                         short_config_name)
 from benchmarks.detector.profiling import profile_lines, profile_training
 from benchmarks.detector.report import add_speedups, format_table, write_outputs
 from benchmarks.detector.rows import BACKEND_CHOICES, MODE_CHOICES, Row, build_rows, parse_row, row_result
@@ -140,39 +141,43 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
     height, width = shape
     batch = make_batch(model, args.batch_size, height, width, args.num_gts, args.seed)
     label = f"{short_config_name(config_path)} {row.label}"
-    if not args.profile_only:
-        if args.steps > 0:
-            result["train"] = time_training(model, optim_wrapper, batch, device, args.warmup, args.steps,
-                                            not args.no_progress, label)
-            print(f"{label} " + mmdet_line("train", result["train"]["img_per_s"], result["train"]["memory"]),
-                  flush=True)
-        if args.variable_sizes > 0:
-            batches = make_variable_batches(model, args.variable_sizes, args.batch_size, args.num_gts, args.seed)
-            v = time_variable_sizes(model, optim_wrapper, batches, device, not args.no_progress, label)
-            result["variable"] = v
-            print(f"{label} [train, variable sizes] new sizes {v['new_sizes']['img_per_s']:.2f} img/s, seen sizes "
-                  f"{v['seen_sizes']['img_per_s']:.2f} img/s, a new size costs {v['new_size_cost_ms']:.0f} ms "
-                  f"({v['distinct_batch_shapes']} distinct batch shapes)", flush=True)
-            del batches
-        model.data_preprocessor.pad_size_divisor = eval_divisor
-        if args.inference_steps > 0:
-            batch1 = make_batch(model, 1, height, width, args.num_gts, args.seed)
-            if graph_inference and device.type == "cuda":
-                from deform_plugin.integration.mmdet_graph_inference import enable_graph_inference
-                result["fast_path_sites"]["graph_inference"] = type(enable_graph_inference(model)).__name__
-            result["inference"] = time_inference(model, batch1, device, row.mode, args.inference_warmup,
-                                                 args.inference_steps, not args.no_progress, label)
-            print(f"{label} " + mmdet_line("inference", result["inference"]["fps"],
-                                           result["inference"]["memory"]), flush=True)
-    if args.profile or args.profile_only:
-        model.data_preprocessor.pad_size_divisor = train_divisor
-        trace = None
-        if args.trace and args.out_dir:
-            trace = os.path.join(args.out_dir, f"trace_{short_config_name(config_path)}_{row.label.replace(':', '-')}"
-                                               ".json")
-        result["profile"] = profile_training(model, optim_wrapper, batch, device, args.profile_steps, trace,
-                                             re.compile(args.msda_kernel_regex, re.I))
-        print(profile_lines(label, result["profile"]), flush=True)
+    # As the Runner of a configs/fast variant logs (no per-step read of the gradient norm).
+    with runner_logging(cfg, row):
+        if not args.profile_only:
+            if args.steps > 0:
+                result["train"] = time_training(model, optim_wrapper, batch, device, args.warmup, args.steps,
+                                                not args.no_progress, label)
+                print(f"{label} " + mmdet_line("train", result["train"]["img_per_s"], result["train"]["memory"]),
+                      flush=True)
+            if args.variable_sizes > 0:
+                batches = make_variable_batches(model, args.variable_sizes, args.batch_size, args.num_gts,
+                                                args.seed)
+                v = time_variable_sizes(model, optim_wrapper, batches, device, not args.no_progress, label)
+                result["variable"] = v
+                print(f"{label} [train, variable sizes] new sizes {v['new_sizes']['img_per_s']:.2f} img/s, seen "
+                      f"sizes {v['seen_sizes']['img_per_s']:.2f} img/s, a new size costs "
+                      f"{v['new_size_cost_ms']:.0f} ms ({v['distinct_batch_shapes']} distinct batch shapes)",
+                      flush=True)
+                del batches
+            model.data_preprocessor.pad_size_divisor = eval_divisor
+            if args.inference_steps > 0:
+                batch1 = make_batch(model, 1, height, width, args.num_gts, args.seed)
+                if graph_inference and device.type == "cuda":
+                    from deform_plugin.integration.mmdet_graph_inference import enable_graph_inference
+                    result["fast_path_sites"]["graph_inference"] = type(enable_graph_inference(model)).__name__
+                result["inference"] = time_inference(model, batch1, device, row.mode, args.inference_warmup,
+                                                     args.inference_steps, not args.no_progress, label)
+                print(f"{label} " + mmdet_line("inference", result["inference"]["fps"],
+                                               result["inference"]["memory"]), flush=True)
+        if args.profile or args.profile_only:
+            model.data_preprocessor.pad_size_divisor = train_divisor
+            trace = None
+            if args.trace and args.out_dir:
+                trace = os.path.join(
+                    args.out_dir, f"trace_{short_config_name(config_path)}_{row.label.replace(':', '-')}.json")
+            result["profile"] = profile_training(model, optim_wrapper, batch, device, args.profile_steps, trace,
+                                                 re.compile(args.msda_kernel_regex, re.I))
+            print(profile_lines(label, result["profile"]), flush=True)
     if not row.plugin:
         check_still_stock()
     del model, optim_wrapper, optimizer, batch

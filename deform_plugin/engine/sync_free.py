@@ -38,6 +38,11 @@ class DeferredScalars:
             record[key] = value.detach() if isinstance(value, torch.Tensor) else value
         self._iterations.append(record)
 
+    def discard(self) -> None:
+        """Drop every kept value unread (a benchmark that runs steps outside a Runner)."""
+        self._pending.clear()
+        self._iterations.clear()
+
     def flush(self, message_hub) -> None:
         """Copy every kept tensor to the host in one transfer; update the hub's scalars in iteration order."""
         if not self._iterations:

@@ -133,6 +133,53 @@ def test_fewer_syncs_assign_is_bitwise_the_stock_assignment(num_gts):
         assert int((stock.gt_inds > 0).sum()) == min(num_gts, num_preds)
 
 
+def _boxes(count, generator, width=96, height=64, degenerate=0):
+    xy = torch.rand(count, 2, generator=generator) * torch.tensor([width, height]) * 0.7
+    boxes = torch.cat([xy, xy + 5 + torch.rand(count, 2, generator=generator) * 20], 1)
+    boxes[:degenerate, 2:] = boxes[:degenerate, :2]  # zero-area boxes: the eps floor decides their overlaps
+    return boxes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mode", ["iou", "iof", "giou"])
+def test_bbox_overlaps_without_sync_is_bitwise_mmdets(mode, dtype):
+    from mmdet.structures.bbox import bbox_overlaps
+
+    from deform_plugin.integration.mmdet_fast_paths.matching import bbox_overlaps_without_sync
+    generator = torch.Generator().manual_seed(0)
+    first, second = _boxes(13, generator, degenerate=2).to(dtype), _boxes(7, generator, degenerate=1).to(dtype)
+    aligned = _boxes(13, generator, degenerate=3).to(dtype)
+    for eps in (1e-6, 1e-7):
+        for a, b, is_aligned in ((first, second, False), (first, aligned, True), (first[:0], second, False)):
+            stock = bbox_overlaps(a, b, mode=mode, is_aligned=is_aligned, eps=eps)
+            ours = bbox_overlaps_without_sync(a, b, mode=mode, is_aligned=is_aligned, eps=eps)
+            assert ours.dtype == stock.dtype and ours.shape == stock.shape
+            assert torch.equal(ours, stock), (mode, is_aligned, eps)
+    with pytest.raises(ValueError, match="mode must be"):
+        bbox_overlaps_without_sync(first, second, mode="diou")
+    with pytest.raises(ValueError, match="as many boxes"):
+        bbox_overlaps_without_sync(first, second, is_aligned=True)
+
+
+@pytest.mark.parametrize("box_format", ["xywh", "xyxy"])
+def test_box_match_costs_without_sync_are_bitwise_mmdets(box_format):
+    from mmdet.models.task_modules.assigners.match_cost import BBoxL1Cost, IoUCost
+    from mmengine.structures import InstanceData
+
+    from deform_plugin.integration.mmdet_fast_paths.matching import _match_cost
+    generator = torch.Generator().manual_seed(1)
+    pred = InstanceData(bboxes=_boxes(30, generator, degenerate=2))
+    gt = InstanceData(bboxes=_boxes(6, generator))
+    meta = dict(img_shape=(64, 96))
+    for cost in (BBoxL1Cost(weight=5.0, box_format=box_format), IoUCost(iou_mode="giou", weight=2.0),
+                 IoUCost(iou_mode="iou", weight=1.0)):
+        stock = cost(pred_instances=pred, gt_instances=gt, img_meta=meta)
+        assert torch.equal(_match_cost(cost, pred, gt, meta), stock), cost
+    half = InstanceData(bboxes=pred.bboxes.half())  # IoUCost's fp16 overflow guard
+    cost = IoUCost(iou_mode="giou", weight=2.0)
+    assert torch.equal(_match_cost(cost, half, gt, meta), cost(pred_instances=half, gt_instances=gt, img_meta=meta))
+
+
 @pytest.mark.parametrize("num_gts", [0, 3, 25], ids=lambda n: f"gts{n}")
 def test_detr_head_targets_from_host_assignment_are_bitwise_stock(num_gts):
     from mmdet.registry import MODELS
@@ -346,7 +393,7 @@ def _losses_and_gradients(head, inputs):
 @pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
 @pytest.mark.parametrize("num_gts", [(3, 5), (0, 4), (0, 0)], ids=["gts3-5", "gts0-4", "gts0-0"])
 def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monkeypatch):
-    from deform_plugin.integration.mmdet_fast_paths import batched_losses
+    from deform_plugin.integration.mmdet_fast_paths import batched_losses, matching
     stock_head = _detr_head(kind)
     fast_head = copy.deepcopy(stock_head)
     holder = nn.Module()
@@ -357,6 +404,9 @@ def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monke
     original = batched_losses.layer_losses
     monkeypatch.setattr(batched_losses, "layer_losses", lambda *a, **k: passes.append(a[1].shape[0]) or original(
         *a, **k))
+    copies = []
+    costs_to_host = matching.costs_to_host
+    monkeypatch.setattr(matching, "costs_to_host", lambda costs: copies.append(len(costs)) or costs_to_host(costs))
     per_layer_targets = []
     targets_single = fast_head._get_targets_single
     fast_head._get_targets_single = lambda *a, **k: per_layer_targets.append(1) or targets_single(*a, **k)
@@ -376,6 +426,11 @@ def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monke
         torch.testing.assert_close(fast_grads[name], stock_grads[name], rtol=1e-6, atol=1e-8, msg=name)
     # The decoder layers in one pass, the encoder's proposals in another (Deformable-DETR's against class-0 gts).
     assert passes == [3, 1]
+    # Their cost matrices (per image with gts: the decoder layers' and, for two-stage Deformable-DETR, the
+    # proposals') reach the host in one copy.
+    images_with_gts = sum(n > 0 for n in num_gts)
+    assert copies == ([images_with_gts * (2 if kind == "deformable-detr-two-stage" else 1)] if images_with_gts
+                      else [])
     assert per_layer_targets == []  # no layer fell back to the per-layer path
     # DINO's denoising losses in one pass too; without any gt there are no denoising queries, and stock runs.
     assert len(per_layer_denoising) == (3 if kind == "dino" and max(num_gts) == 0 else 0)

@@ -8,7 +8,8 @@ targets of every layer are gathers from one padded table of each image's gt boxe
 over every layer's queries followed by one sum per layer: a few dozen operations for all layers together.
 
 Same losses as the stock per-layer calls up to float summation order: each element is computed by the same
-formula (mmdet's focal loss with ``reduction='none'``, ``giou_loss``, ``|pred - target|``), only the per-layer sums
+formula (mmdet's focal loss with ``reduction='none'``, ``giou_loss`` (its ``eps`` filled on the device, as in
+:func:`.matching.bbox_overlaps_without_sync`), ``|pred - target|``), only the per-layer sums
 run over a ``(layers, ...)`` view, and the normalisers are the same integers (``sync_free_losses``'s host-side
 rule; in distributed training one all-reduce for every layer's counts instead of two per layer). The GIoU and L1
 loss modules' ``torch.any(weight > 0)`` host syncs are not taken: with no positive in a layer both sums are zero,
@@ -19,19 +20,22 @@ Only heads whose losses are exactly mmdet's ``FocalLoss`` (sigmoid, not pre-acti
 proposals, another head) runs as before.
 
 The two-stage Deformable-DETR's encoder loss matches the proposals against the gts relabelled as class 0 (a copy
-made inside ``loss_by_feat``); the pass makes the same relabelled copy, solves and computes that loss ahead too.
+made inside ``loss_by_feat``); the pass makes the same relabelled copy, matches the proposals against it in the
+step's one matching pass (the decoder layers' cost matrices and these reach the host in one copy) and computes that
+loss ahead too.
 DINO's denoising losses need no matching (their targets come from the gts and the denoising layout): its
 ``loss_dn`` builds them once and computes every layer's losses in one pass (:func:`denoising_layer_losses`).
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .matching import _prediction_key, _to_device_without_blocking, solve_ahead
+from .matching import _prediction_key, _to_device_without_blocking, bbox_overlaps_without_sync
 
 # mmdet's weight_reduce_loss divides by (avg_factor + this) whatever the dtype.
 _AVG_FACTOR_EPS = torch.finfo(torch.float32).eps
@@ -97,7 +101,6 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     """``loss_by_feat_single``'s ``(loss_cls, loss_bbox, loss_iou)`` of every layer of ``scores`` ``(L, B, Q, C)``
     and ``bbox_preds`` ``(L, B, Q, 4)`` in one pass, from the assignments in ``solved``; None when an assignment
     is missing (the caller then runs the stock per-layer calls)."""
-    from mmdet.models.losses.iou_loss import giou_loss
     from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
 
     host_gt_inds = _host_gt_inds(solved, scores, batch_gt_instances)
@@ -128,7 +131,9 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     image_factors = factors[None, :, None]
     pixel_preds = (bbox_cxcywh_to_xyxy(bbox_preds) * image_factors).reshape(-1, 4)
     pixel_targets = (bbox_cxcywh_to_xyxy(bbox_targets) * image_factors).reshape(-1, 4)
-    iou_elements = giou_loss(pixel_preds, pixel_targets, eps=head.loss_iou.eps, reduction="none")
+    # mmdet's giou_loss with reduction='none': 1 - the aligned GIoU (its eps filled on the device, not copied).
+    iou_elements = 1 - bbox_overlaps_without_sync(pixel_preds, pixel_targets, mode="giou", is_aligned=True,
+                                                  eps=head.loss_iou.eps)
     iou_sums = head.loss_iou.loss_weight * (iou_elements * positive.reshape(-1)).reshape(num_layers, -1).sum(1)
     l1_elements = torch.abs(bbox_preds - bbox_targets) * positive.unsqueeze(-1)
     l1_sums = head.loss_bbox.loss_weight * l1_elements.reshape(num_layers, -1).sum(1)
@@ -168,10 +173,21 @@ def _normalised(head, cls_sums: torch.Tensor, l1_sums: torch.Tensor, iou_sums: t
              loss_iou[layer:layer + 1] if box_keeps_dim else loss_iou[layer]) for layer in range(num_layers)]
 
 
+def proposal_matching_groups(head, arguments: dict) -> list:
+    """The two-stage encoder's proposals with the class-0 copies of the gts that ``loss_by_feat`` matches them
+    against, as one ``(prediction_sets, batch_gt_instances)`` group for the step's matching pass (none for other
+    heads)."""
+    if not arguments["batch_gt_instances"] or not _two_stage_proposals(head, arguments):
+        return []
+    proposal_gts = [_relabelled_as_class_0(gts) for gts in arguments["batch_gt_instances"]]
+    return [([(arguments["enc_cls_scores"], arguments["enc_bbox_preds"])], proposal_gts)]
+
+
 def solve_losses_ahead(head, prediction_sets: Sequence[Tuple[torch.Tensor, torch.Tensor]], arguments: dict,
-                       solved: Dict) -> Dict:
+                       solved: Dict, proposal_groups: Sequence = ()) -> Dict:
     """Every layer's losses of each ``(scores, bboxes)`` set, keyed as ``loss_by_feat_single`` will see the layer;
-    ``arguments`` are those of the head's ``loss_by_feat`` call."""
+    ``arguments`` are those of the head's ``loss_by_feat`` call. ``proposal_groups`` (from
+    :func:`proposal_matching_groups`) were solved in the same pass: their losses are found by their scores alone."""
     batch_gt_instances, batch_img_metas = arguments["batch_gt_instances"], arguments["batch_img_metas"]
     ahead = {}
     if not batch_gt_instances:
@@ -179,12 +195,9 @@ def solve_losses_ahead(head, prediction_sets: Sequence[Tuple[torch.Tensor, torch
     for scores, bboxes in prediction_sets:
         _add_layer_losses(ahead, head, scores, bboxes, batch_gt_instances, batch_img_metas, solved,
                           _gts_key(batch_gt_instances))
-    if _two_stage_proposals(head, arguments):
-        proposal_gts = [_relabelled_as_class_0(gts) for gts in batch_gt_instances]
-        scores, bboxes = arguments["enc_cls_scores"], arguments["enc_bbox_preds"]
-        proposal_solved = solve_ahead(head.assigner, [(scores, bboxes)], proposal_gts, batch_img_metas)
-        _add_layer_losses(ahead, head, scores, bboxes, proposal_gts, batch_img_metas, proposal_solved,
-                          _PROPOSALS_KEY)
+    for sets, proposal_gts in proposal_groups:
+        for scores, bboxes in sets:
+            _add_layer_losses(ahead, head, scores, bboxes, proposal_gts, batch_img_metas, solved, _PROPOSALS_KEY)
     return ahead
 
 
@@ -244,7 +257,6 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     The denoising targets depend on the gts and ``dn_meta`` only, not on the predictions: stock builds the same
     targets once per layer; here ``get_dn_targets`` runs once. Each element is stock's formula, the per-layer sums
     run over a ``(layers, ...)`` view, and the box normaliser stays on the host (stock's ``.item()`` per layer)."""
-    from mmdet.models.losses.iou_loss import giou_loss
     from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
 
     num_layers, batch, num_queries, num_classes = scores.shape
@@ -266,7 +278,8 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     pixel_preds = (bbox_cxcywh_to_xyxy(bbox_preds) * image_factors).reshape(-1, 4)
     pixel_targets = (bbox_cxcywh_to_xyxy(bbox_targets)[None] * image_factors).expand(num_layers, -1, -1, -1)
     iou_weights = bbox_weights.mean(-1)  # GIoULoss averages a (N, 4) weight over its last dimension
-    iou_elements = giou_loss(pixel_preds, pixel_targets.reshape(-1, 4), eps=head.loss_iou.eps, reduction="none")
+    iou_elements = 1 - bbox_overlaps_without_sync(pixel_preds, pixel_targets.reshape(-1, 4), mode="giou",
+                                                  is_aligned=True, eps=head.loss_iou.eps)
     iou_sums = head.loss_iou.loss_weight * (iou_elements.reshape(num_layers, batch, num_queries)
                                             * iou_weights).reshape(num_layers, -1).sum(1)
     l1_sums = head.loss_bbox.loss_weight * (torch.abs(bbox_preds - bbox_targets) * bbox_weights).reshape(
@@ -307,10 +320,11 @@ def enable_batched_losses(head) -> bool:
     if not batchable_head(head) or "prepare_layer_losses" in vars(head):
         return False
 
-    def prepare_layer_losses(prediction_sets, arguments, solved):
-        head.losses_ahead = solve_losses_ahead(head, prediction_sets, arguments, solved)
+    def prepare_layer_losses(prediction_sets, arguments, solved, extra_groups=()):
+        head.losses_ahead = solve_losses_ahead(head, prediction_sets, arguments, solved, extra_groups)
 
     head.loss_by_feat_single = _loss_by_feat_single_from_ahead(head)
+    head.extra_matching_groups = functools.partial(proposal_matching_groups, head)
     head.prepare_layer_losses = prepare_layer_losses
     if _stock_denoising_losses(head):
         head.loss_dn = _batched_loss_dn(head)

@@ -7,19 +7,24 @@ the positive and negative queries with two ``nonzero()`` calls (two more host sy
 fast path builds the per-query ``gt_inds`` on the host, where scipy's result already is, copies it once from pinned
 memory without blocking, gathers the labels on the device, and lets the DETR heads take their sorted
 positive/negative indices from that host copy. Same cost matrix, same ``linear_sum_assignment`` call, the same
-integers out: bitwise identical assignments and targets.
+integers out: bitwise identical assignments and targets. The cost terms themselves are mmdet's, but for two small
+constants that mmdet's ``BBoxL1Cost`` (the image-size factor) and ``bbox_overlaps`` (the ``eps`` floor of
+``IoUCost`` and of the GIoU loss) build with ``new_tensor`` from Python numbers: on a GPU each is a blocking copy
+that waits for all queued work. Here the factor comes from pinned memory without blocking and ``eps`` is filled on
+the device; the same values enter the same operations.
 
 ``batched_matching``: mmdet still matches one (decoder layer, image) pair at a time, each with its own cost-term
 kernels and its own device-to-host copy that waits for the GPU. Before a DETR head's ``loss_by_feat`` runs, the
 fast path computes the cost matrices of every decoder layer of each image in one pass (the cost terms are row-wise,
 so stacking the layers' queries as rows gives each layer's matrix bitwise), copies all of them to the host in one
-transfer, and solves every assignment; the per-layer ``assign`` calls then find their result ready. A call the pass
-did not foresee (another head, the two-stage encoder's proposals) runs as before.
+transfer, and solves every assignment; the per-layer ``assign`` calls then find their result ready. With
+``batched_losses`` the two-stage encoder's proposals join the same pass and copy. A call the pass did not foresee
+(another head; the proposals without ``batched_losses``) runs as before.
 """
 from __future__ import annotations
 
 import inspect
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -104,9 +109,79 @@ def _assign_with_fewer_host_syncs(self, pred_instances, gt_instances, img_meta: 
 
 def _cost_matrix(assigner, pred_instances, gt_instances, img_meta) -> torch.Tensor:
     # As HungarianAssigner.assign sums its cost terms.
-    costs = [match_cost(pred_instances=pred_instances, gt_instances=gt_instances, img_meta=img_meta)
-             for match_cost in assigner.match_costs]
+    costs = [_match_cost(match_cost, pred_instances, gt_instances, img_meta) for match_cost in assigner.match_costs]
     return torch.stack(costs).sum(dim=0).detach()
+
+
+def _match_cost(match_cost, pred_instances, gt_instances, img_meta) -> torch.Tensor:
+    """``match_cost(...)``; mmdet's ``BBoxL1Cost`` and ``IoUCost`` by the same arithmetic without a blocking copy."""
+    from mmdet.models.task_modules.assigners.match_cost import BBoxL1Cost, IoUCost
+    if type(match_cost) is BBoxL1Cost:
+        return _bbox_l1_cost(match_cost, pred_instances.bboxes, gt_instances.bboxes, img_meta)
+    if type(match_cost) is IoUCost:
+        return _iou_cost(match_cost, pred_instances.bboxes, gt_instances.bboxes)
+    return match_cost(pred_instances=pred_instances, gt_instances=gt_instances, img_meta=img_meta)
+
+
+def _bbox_l1_cost(match_cost, pred_bboxes: torch.Tensor, gt_bboxes: torch.Tensor, img_meta: dict) -> torch.Tensor:
+    # mmdet 3.3.0's BBoxL1Cost.__call__, its factor copied without blocking.
+    from mmdet.structures.bbox import bbox_xyxy_to_cxcywh
+    if match_cost.box_format == "xywh":
+        gt_bboxes = bbox_xyxy_to_cxcywh(gt_bboxes)
+        pred_bboxes = bbox_xyxy_to_cxcywh(pred_bboxes)
+    factor = image_size_factor(img_meta, gt_bboxes)
+    return torch.cdist(pred_bboxes / factor, gt_bboxes / factor, p=1) * match_cost.weight
+
+
+def _iou_cost(match_cost, pred_bboxes: torch.Tensor, gt_bboxes: torch.Tensor) -> torch.Tensor:
+    # mmdet 3.3.0's IoUCost.__call__ (its fp16 overflow guard included) on bbox_overlaps_without_sync.
+    fp16 = pred_bboxes.dtype == torch.float16
+    if fp16:
+        pred_bboxes = pred_bboxes.to(torch.float32)
+    overlaps = bbox_overlaps_without_sync(pred_bboxes, gt_bboxes, mode=match_cost.iou_mode, is_aligned=False)
+    if fp16:
+        overlaps = overlaps.to(torch.float16)
+    return -overlaps * match_cost.weight
+
+
+def bbox_overlaps_without_sync(bboxes1: torch.Tensor, bboxes2: torch.Tensor, mode: str = "iou",
+                               is_aligned: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """mmdet 3.3.0's ``bbox_overlaps`` for ``(N, 4)`` and ``(M, 4)`` boxes (modes ``iou``, ``iof``, ``giou``): the
+    same operations, with ``eps`` filled on the device where mmdet copies it from the host."""
+    from mmdet.structures.bbox.bbox_overlaps import fp16_clamp
+    if mode not in ("iou", "iof", "giou"):
+        raise ValueError(f"bbox_overlaps mode must be 'iou', 'iof' or 'giou', got {mode!r}")
+    if bboxes1.dim() != 2 or bboxes2.dim() != 2 or bboxes1.shape[-1] != 4 or bboxes2.shape[-1] != 4:
+        raise ValueError(f"bbox_overlaps_without_sync takes (N, 4) and (M, 4) boxes, got {tuple(bboxes1.shape)} and "
+                         f"{tuple(bboxes2.shape)}")
+    rows, cols = bboxes1.shape[0], bboxes2.shape[0]
+    if is_aligned and rows != cols:
+        raise ValueError(f"aligned overlaps need as many boxes on both sides, got {rows} and {cols}")
+    if rows * cols == 0:
+        return bboxes1.new_empty((rows,) if is_aligned else (rows, cols))
+    area1 = (bboxes1[..., 2] - bboxes1[..., 0]) * (bboxes1[..., 3] - bboxes1[..., 1])
+    area2 = (bboxes2[..., 2] - bboxes2[..., 0]) * (bboxes2[..., 3] - bboxes2[..., 1])
+    first, second = (bboxes1, bboxes2) if is_aligned else (bboxes1[..., :, None, :], bboxes2[..., None, :, :])
+    lt = torch.max(first[..., :2], second[..., :2])
+    rb = torch.min(first[..., 2:], second[..., 2:])
+    wh = fp16_clamp(rb - lt, min=0)
+    overlap = wh[..., 0] * wh[..., 1]
+    if mode in ("iou", "giou"):
+        union = area1 + area2 - overlap if is_aligned else area1[..., None] + area2[..., None, :] - overlap
+    else:
+        union = area1 if is_aligned else area1[..., None]
+    if mode == "giou":
+        enclosed_lt = torch.min(first[..., :2], second[..., :2])
+        enclosed_rb = torch.max(first[..., 2:], second[..., 2:])
+    eps = torch.full((1,), eps, dtype=union.dtype, device=union.device)
+    union = torch.max(union, eps)
+    ious = overlap / union
+    if mode in ("iou", "iof"):
+        return ious
+    enclose_wh = fp16_clamp(enclosed_rb - enclosed_lt, min=0)
+    enclose_area = enclose_wh[..., 0] * enclose_wh[..., 1]
+    enclose_area = torch.max(enclose_area, eps)
+    return ious - (enclose_area - union) / enclose_area
 
 
 def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, img_meta):
@@ -153,7 +228,8 @@ def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, i
 
 # ---- batched matching --------------------------------------------------------------------------------------------
 
-def solve_ahead(assigner, prediction_sets, batch_gt_instances, batch_img_metas) -> Dict[_PredictionKey, np.ndarray]:
+def solve_ahead(assigner, prediction_sets, batch_gt_instances, batch_img_metas,
+                extra_groups: Sequence[Tuple[Sequence, Sequence]] = ()) -> Dict[_PredictionKey, np.ndarray]:
     """Solve every assignment of ``prediction_sets`` at once: one cost pass per image, one device-to-host copy.
 
     Args:
@@ -162,6 +238,8 @@ def solve_ahead(assigner, prediction_sets, batch_gt_instances, batch_img_metas) 
             ``(num_layers, batch, num_queries, 4)`` (normalized cx, cy, w, h), as the heads' ``loss_by_feat`` get
             them; a set may also be ``(batch, num_queries, ...)`` (one layer).
         batch_gt_instances, batch_img_metas: as ``loss_by_feat`` gets them.
+        extra_groups: more ``(prediction_sets, batch_gt_instances)`` matched in the same pass and copy (the
+            two-stage encoder's proposals against their relabelled gts).
 
     Returns:
         ``gt_inds`` on the host per (scores view, gt instances) that ``assign`` will be called with.
@@ -172,25 +250,26 @@ def solve_ahead(assigner, prediction_sets, batch_gt_instances, batch_img_metas) 
     # This pass is the step's matching (the assign calls after it only look results up; with batched_losses none
     # is made): a "matching" range, as the benchmark names each assign, split into the fewer-syncs assign's parts.
     with record_function("deform_plugin::matching"):
-        prediction_sets = [(s, b) if s.dim() == 4 else (s[None], b[None]) for s, b in prediction_sets]
         flat_costs, blocks = [], []
         with record_function("deform_plugin::matching.cost_terms"):
-            for image, (gt_instances, img_meta) in enumerate(zip(batch_gt_instances, batch_img_metas)):
-                if len(gt_instances) == 0:
-                    continue  # assign's own edge case needs no cost matrix
-                views = [(scores[layer, image], bboxes[layer, image]) for scores, bboxes in prediction_sets
-                         for layer in range(scores.shape[0])]
-                scores = torch.cat([s for s, _ in views])
-                factor = image_size_factor(img_meta, views[0][1])
-                bboxes = bbox_cxcywh_to_xyxy(torch.cat([b for _, b in views])) * factor
-                pred_instances = InstanceData(scores=scores, bboxes=bboxes)
-                cost = _cost_matrix(assigner, pred_instances, gt_instances, img_meta)
-                flat_costs.append(cost.reshape(-1))
-                blocks.append((gt_instances, views, cost.shape))
+            for sets, group_gt_instances in [(prediction_sets, batch_gt_instances), *extra_groups]:
+                sets = [(s, b) if s.dim() == 4 else (s[None], b[None]) for s, b in sets]
+                for image, (gt_instances, img_meta) in enumerate(zip(group_gt_instances, batch_img_metas)):
+                    if len(gt_instances) == 0:
+                        continue  # assign's own edge case needs no cost matrix
+                    views = [(scores[layer, image], bboxes[layer, image]) for scores, bboxes in sets
+                             for layer in range(scores.shape[0])]
+                    scores = torch.cat([s for s, _ in views])
+                    factor = image_size_factor(img_meta, views[0][1])
+                    bboxes = bbox_cxcywh_to_xyxy(torch.cat([b for _, b in views])) * factor
+                    pred_instances = InstanceData(scores=scores, bboxes=bboxes)
+                    cost = _cost_matrix(assigner, pred_instances, gt_instances, img_meta)
+                    flat_costs.append(cost.reshape(-1))
+                    blocks.append((gt_instances, views, cost.shape))
         if not flat_costs:
             return {}
         with record_function("deform_plugin::matching.wait_and_copy_to_host"):
-            host = torch.cat([c.to(flat_costs[0].dtype) for c in flat_costs]).cpu().numpy()
+            host = costs_to_host(flat_costs)
         solved = {}
         with record_function("deform_plugin::matching.scipy"):
             offset = 0
@@ -202,6 +281,11 @@ def solve_ahead(assigner, prediction_sets, batch_gt_instances, batch_img_metas) 
                     solved[_prediction_key(scores, gt_instances)] = _solve(cost[row:row + scores.shape[0]])
                     row += scores.shape[0]
         return solved
+
+
+def costs_to_host(flat_costs: Sequence[torch.Tensor]) -> np.ndarray:
+    """The step's cost matrices, flattened and concatenated, in one device-to-host copy (it waits for the GPU)."""
+    return torch.cat([c.to(flat_costs[0].dtype) for c in flat_costs]).cpu().numpy()
 
 
 def _loss_by_feat_solving_ahead(head):
@@ -225,13 +309,16 @@ def _loss_by_feat_solving_ahead(head):
                 sets.append((arguments["enc_cls_scores"], arguments["enc_bbox_preds"]))
         else:
             sets.append((scores, bboxes))
+        # A later fast path (batched_losses) may add prediction sets it matches itself (against gts of its own) and
+        # use the solved assignments before the per-layer losses run.
+        extra_matching = getattr(head, "extra_matching_groups", None)
+        extra_groups = extra_matching(arguments) if extra_matching is not None else []
         head.assigner.solved_ahead = solve_ahead(head.assigner, sets, arguments["batch_gt_instances"],
-                                                 arguments["batch_img_metas"])
-        # A later fast path (batched_losses) may use the solved assignments before the per-layer losses run.
+                                                 arguments["batch_img_metas"], extra_groups)
         prepare_layer_losses = getattr(head, "prepare_layer_losses", None)
         try:
             if prepare_layer_losses is not None:
-                prepare_layer_losses(sets, arguments, head.assigner.solved_ahead)
+                prepare_layer_losses(sets, arguments, head.assigner.solved_ahead, extra_groups)
             return loss_by_feat(*args, **kwargs)
         finally:
             # Storage addresses are reused by later steps: a solution must never outlive its step.

@@ -160,3 +160,21 @@ def test_variable_size_timing_runs_every_batch_twice_and_counts_padded_shapes():
         assert result[name]["n"] == 3 and result[name]["img_per_s"] > 0
     assert result["new_size_cost_ms"] == pytest.approx(
         (result["new_sizes"]["total_s"] - result["seen_sizes"]["total_s"]) * 1e3 / 3)
+
+
+def test_runner_logging_defers_the_gradient_norm_as_the_fast_configs_runner_does():
+    import torch
+    from mmengine.config import Config
+
+    from benchmarks.detector.configs import runner_logging
+    from benchmarks.detector.rows import Row
+    from deform_plugin.engine.sync_free import DEFERRED_SCALARS
+    fast = Config(dict(default_hooks=dict(runtime_info=dict(type="DeferredRuntimeInfoHook"))))
+    plain = Config(dict(default_hooks=dict(runtime_info=dict(type="RuntimeInfoHook"))))
+    with runner_logging(fast, Row("triton", "bf16")) as deferred:
+        assert deferred and DEFERRED_SCALARS.active
+        DEFERRED_SCALARS.defer("grad_norm", torch.tensor(2.0))
+    assert not DEFERRED_SCALARS.active and not DEFERRED_SCALARS._pending  # nothing kept after the row
+    for cfg, row in ((fast, Row("stock", "fp32")), (plain, Row("triton", "bf16")), (Config(), Row("triton", "fp32"))):
+        with runner_logging(cfg, row) as deferred:
+            assert not deferred and not DEFERRED_SCALARS.active
