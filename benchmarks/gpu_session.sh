@@ -9,7 +9,8 @@
 #             runs against the stock op.
 #   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours, and the
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
-#   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and a step profile.
+#   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and (unless PROFILE=0)
+#             a step profile.
 #   profile   the step profile alone (stock fp32, ours bf16 without and with the config's fast paths).
 #   build     mmcv's CUDA ops only (the stock baseline), for the phases after it on the same host; with PACK=1 the
 #             build comes back packed in OUT: copied into .whl, later fresh hosts unpack it in seconds.
@@ -158,11 +159,13 @@ scale)
       --work-dir "$results/demo_bf16_fast" > "$results/demo_bf16_fast.log" 2>&1
   wait
   grep -h "bbox_mAP" "$results"/demo_*.log | tail -4
-  on_gpu 0 with_full timeout $(left) python3 tools/profile_step.py \
-      configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
-      --rows stock:fp32 triton:bf16:none triton:bf16:config --profile-steps 3 --no-progress \
-      --out-dir "$results" --name profile > "$results/profile.log" 2>&1
-  tail -20 "$results/profile.log"
+  if [ "${PROFILE:-1}" = 1 ]; then  # PROFILE=0 leaves the step profile to the profile phase
+    on_gpu 0 with_full timeout $(left) python3 tools/profile_step.py \
+        configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
+        --rows stock:fp32 triton:bf16:none triton:bf16:config --profile-steps 3 --no-progress \
+        --out-dir "$results" --name profile > "$results/profile.log" 2>&1
+    tail -20 "$results/profile.log"
+  fi
   ;;
 profile)
   wait_for_mmcv
