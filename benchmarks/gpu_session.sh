@@ -145,7 +145,7 @@ scale)
   config=configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py
   if [ "$gpus" -ge 2 ]; then
     for n in 1 2; do
-      with_full timeout $(left) python3 tools/benchmark_train.py "$config" --rows ours:bf16 --iters 60 \
+      with_full timeout $(left) python3 tools/benchmark_train.py "$config" --rows ours:bf16 --iters ${SCALE_ITERS:-100} \
           --batch-size 2 --workers 4 \
           --gpus $n --out-dir "$results/ddp_$n" > "$results/ddp_$n.log" 2>&1
       tail -6 "$results/ddp_$n.log"
