@@ -437,6 +437,27 @@ def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monke
     assert fast_head.losses_ahead == {}  # nothing outlives the step
 
 
+@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+def test_fast_detr_losses_wait_for_the_gpu_once(kind):
+    """The calls of a head's loss and backward that would block the host on a GPU (recorded on the CPU): stock's
+    per-layer matching and targets make dozens; the fast paths leave the one copy of every cost matrix."""
+    from host_transfers import HostTransferSpy
+    stock_head = _detr_head(kind)
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.bbox_head = fast_head
+    apply_fast_paths(holder, sync_free_losses=True, batched_losses=True)
+    inputs = _loss_inputs(kind, (3, 5))
+    recorded = []
+    for head in (stock_head, fast_head):
+        with HostTransferSpy() as spy:
+            _losses_and_gradients(head, inputs)
+        recorded.append(spy.calls)
+    stock, fast = recorded
+    assert len(stock) >= 3 * 2 * 3, stock  # per layer and image at least the cost copy and two nonzero() calls
+    assert fast == [("cpu", "costs_to_host")]
+
+
 def test_batched_losses_leave_heads_with_other_losses_alone():
     from mmdet.registry import MODELS
     head = _detr_head("dino")

@@ -494,3 +494,35 @@ def test_later_signatures_reuse_the_memory_of_earlier_captures():
     assert len(region.captured) == len(sizes) and not region.eager_reasons
     # Without reuse each capture adds about ``first`` again (five times here).
     assert last - warm - first <= 0.5 * first, (first, last - warm - first)
+
+
+@pytest.mark.parametrize("num_gts", [(3, 5), (0, 4), (2, 0)], ids=["gts3-5", "gts0-4", "gts2-0"])
+def test_dino_denoising_queries_are_mmdets_without_its_blocking_copies(num_gts):
+    """The graphed DINO's denoising queries: mmdet's generator pieces, collated from the host's target counts and
+    normalised by factors copied without blocking; the same queries as mmdet's ``CdnQueryGenerator.__call__`` for
+    the same random draws, and one call left that would block on a GPU (the label noise's ``nonzero``, whose size
+    is random)."""
+    from host_transfers import HostTransferSpy
+    from mmdet.models.layers import CdnQueryGenerator
+    from mmdet.structures import DetDataSample
+    from mmengine.structures import InstanceData
+
+    from deform_plugin.integration.mmdet_fast_paths.graphed_training import _denoising_queries
+    generator = CdnQueryGenerator(num_classes=5, embed_dims=16, num_matching_queries=30,
+                                  label_noise_scale=0.5, box_noise_scale=1.0,
+                                  group_cfg=dict(dynamic=True, num_groups=None, num_dn_queries=20))
+    samples, rng = [], torch.Generator().manual_seed(sum(num_gts))
+    for count in num_gts:
+        xy = torch.rand(count, 2, generator=rng) * 40
+        sample = DetDataSample(metainfo=dict(img_shape=(64, 96)))
+        sample.gt_instances = InstanceData(bboxes=torch.cat([xy, xy + 5 + torch.rand(count, 2, generator=rng) * 20], 1),
+                                           labels=torch.randint(0, 5, (count,), generator=rng))
+        samples.append(sample)
+    torch.manual_seed(0)
+    stock_label, stock_bbox, _, stock_meta = generator(samples)
+    torch.manual_seed(0)
+    with HostTransferSpy() as spy:
+        label, bbox, group_size, meta = _denoising_queries(generator, samples)
+    assert torch.equal(label, stock_label) and torch.equal(bbox, stock_bbox)
+    assert meta == stock_meta and group_size == 2 * max(num_gts)
+    assert spy.calls == [("nonzero", "generate_dn_label_query")]

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .matching import _prediction_key, _to_device_without_blocking, bbox_overlaps_without_sync
+from .matching import _prediction_key, _to_device_without_blocking, bbox_overlaps_without_sync, image_size_factor
 
 # mmdet's weight_reduce_loss divides by (avg_factor + this) whatever the dtype.
 _AVG_FACTOR_EPS = torch.finfo(torch.float32).eps
@@ -255,15 +255,16 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     (the caller then runs the stock calls).
 
     The denoising targets depend on the gts and ``dn_meta`` only, not on the predictions: stock builds the same
-    targets once per layer; here ``get_dn_targets`` runs once. Each element is stock's formula, the per-layer sums
-    run over a ``(layers, ...)`` view, and the box normaliser stays on the host (stock's ``.item()`` per layer)."""
+    targets once per layer; here they are built once (:func:`_denoising_targets`, without its blocking copies).
+    Each element is stock's formula, the per-layer sums run over a ``(layers, ...)`` view, and the box normaliser
+    stays on the host (stock's ``.item()`` per layer)."""
     from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
 
     num_layers, batch, num_queries, num_classes = scores.shape
     if num_layers == 0 or batch * num_queries == 0:
         return None
     (labels_list, label_weights_list, bbox_targets_list, bbox_weights_list, num_pos,
-     num_neg) = head.get_dn_targets(batch_gt_instances, batch_img_metas, dn_meta)
+     num_neg) = _denoising_targets(head, batch_gt_instances, batch_img_metas, dn_meta)
     labels = torch.cat(labels_list, 0)
     label_weights = torch.cat(label_weights_list, 0)
     bbox_targets = torch.cat(bbox_targets_list, 0).view(batch, num_queries, 4)
@@ -289,6 +290,43 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     per_layer = _normalised(head, cls_sums, l1_sums, iou_sums, np.full(num_layers, cls_avg),
                             np.full(num_layers, num_pos), box_keeps_dim=False)
     return tuple(list(losses) for losses in zip(*per_layer))
+
+
+def _denoising_targets(head, batch_gt_instances, batch_img_metas, dn_meta):
+    """mmdet 3.3.0's ``DINOHead.get_dn_targets`` (per-image lists, total positive and negative counts), each image's
+    size factor copied without blocking (mmdet's ``new_tensor`` waits for the GPU); the same values."""
+    per_image = [_denoising_targets_single(head, gt_instances, img_meta, dn_meta)
+                 for gt_instances, img_meta in zip(batch_gt_instances, batch_img_metas)]
+    labels, label_weights, bbox_targets, bbox_weights, pos_inds, neg_inds = (list(part) for part in zip(*per_image))
+    return (labels, label_weights, bbox_targets, bbox_weights, sum(inds.numel() for inds in pos_inds),
+            sum(inds.numel() for inds in neg_inds))
+
+
+def _denoising_targets_single(head, gt_instances, img_meta, dn_meta):
+    # mmdet 3.3.0's DINOHead._get_dn_targets_single; only the factor (and the empty index tensors) are made otherwise.
+    from mmdet.structures.bbox import bbox_xyxy_to_cxcywh
+    gt_bboxes, gt_labels = gt_instances.bboxes, gt_instances.labels
+    num_groups = dn_meta["num_denoising_groups"]
+    num_denoising_queries = dn_meta["num_denoising_queries"]
+    num_queries_each_group = int(num_denoising_queries / num_groups)
+    device = gt_bboxes.device
+    if len(gt_labels) > 0:
+        t = torch.arange(len(gt_labels), dtype=torch.long, device=device).unsqueeze(0).repeat(num_groups, 1)
+        pos_assigned_gt_inds = t.flatten()
+        pos_inds = torch.arange(num_groups, dtype=torch.long, device=device)
+        pos_inds = (pos_inds.unsqueeze(1) * num_queries_each_group + t).flatten()
+    else:
+        pos_inds = pos_assigned_gt_inds = torch.zeros(0, dtype=torch.long, device=device)
+    neg_inds = pos_inds + num_queries_each_group // 2
+    labels = gt_bboxes.new_full((num_denoising_queries,), head.num_classes, dtype=torch.long)
+    labels[pos_inds] = gt_labels[pos_assigned_gt_inds]
+    label_weights = gt_bboxes.new_ones(num_denoising_queries)
+    bbox_targets = torch.zeros(num_denoising_queries, 4, device=device)
+    bbox_weights = torch.zeros(num_denoising_queries, 4, device=device)
+    bbox_weights[pos_inds] = 1.0
+    factor = image_size_factor(img_meta, gt_bboxes)
+    bbox_targets[pos_inds] = bbox_xyxy_to_cxcywh(gt_bboxes / factor).repeat([num_groups, 1])
+    return labels, label_weights, bbox_targets, bbox_weights, pos_inds, neg_inds
 
 
 def _batched_loss_dn(head):

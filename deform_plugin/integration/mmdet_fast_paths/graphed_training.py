@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .graphed_region import GraphedRegion
+from .matching import image_size_factor
 from .sync_free_forward import deformable_detr_pre_transformer_from_image_sizes
 
 
@@ -177,12 +178,13 @@ def _detr_region_and_tail(detector):
 
 def _denoising_queries(generator, batch_data_samples):
     """mmdet 3.3.0's ``CdnQueryGenerator.__call__`` without its attention mask (the padded one is made here):
-    the label and box queries, each image's targets repeated in ``2 * num_groups`` groups, and the group size."""
+    the label and box queries, each image's targets repeated in ``2 * num_groups`` groups, and the group size.
+    The image-size factors are copied without blocking and the queries collated from the host's target counts
+    (mmdet's ``new_tensor`` and its collation's reads of device counts each wait for the GPU); the same values."""
     gt_labels_list, gt_bboxes_list = [], []
     for sample in batch_data_samples:
-        img_h, img_w = sample.img_shape
         bboxes = sample.gt_instances.bboxes
-        gt_bboxes_list.append(bboxes / bboxes.new_tensor([img_w, img_h, img_w, img_h]).unsqueeze(0))
+        gt_bboxes_list.append(bboxes / image_size_factor(sample.metainfo, bboxes))
         gt_labels_list.append(sample.gt_instances.labels)
     gt_labels, gt_bboxes = torch.cat(gt_labels_list), torch.cat(gt_bboxes_list)
     max_num_target = max(len(bboxes) for bboxes in gt_bboxes_list)
@@ -190,10 +192,27 @@ def _denoising_queries(generator, batch_data_samples):
     label_query = generator.generate_dn_label_query(gt_labels, num_groups)
     bbox_query = generator.generate_dn_bbox_query(gt_bboxes, num_groups)
     batch_idx = torch.cat([torch.full_like(labels.long(), i) for i, labels in enumerate(gt_labels_list)])
-    label_query, bbox_query = generator.collate_dn_queries(label_query, bbox_query, batch_idx,
-                                                           len(batch_data_samples), num_groups)
+    label_query, bbox_query = _collated_denoising_queries(generator, label_query, bbox_query, batch_idx,
+                                                          [len(labels) for labels in gt_labels_list], num_groups)
     dn_meta = dict(num_denoising_queries=int(max_num_target * 2 * num_groups), num_denoising_groups=num_groups)
     return label_query, bbox_query, 2 * max_num_target, dn_meta
+
+
+def _collated_denoising_queries(generator, label_query, bbox_query, batch_idx, num_targets, num_groups):
+    """mmdet 3.3.0's ``CdnQueryGenerator.collate_dn_queries`` with each image's target count from the host (mmdet
+    counts ``batch_idx == image`` on the device and reads the counts back)."""
+    device = label_query.device
+    max_num_target = max(num_targets)
+    num_denoising_queries = int(max_num_target * 2 * num_groups)
+    map_query_index = torch.cat([torch.arange(count, device=device) for count in num_targets])
+    map_query_index = torch.cat([map_query_index + max_num_target * i for i in range(2 * num_groups)]).long()
+    mapper = (batch_idx.repeat(2 * num_groups, 1).view(-1), map_query_index)
+    batch_size = len(num_targets)
+    batched_label_query = torch.zeros(batch_size, num_denoising_queries, generator.embed_dims, device=device)
+    batched_bbox_query = torch.zeros(batch_size, num_denoising_queries, 4, device=device)
+    batched_label_query[mapper] = label_query
+    batched_bbox_query[mapper] = bbox_query
+    return batched_label_query, batched_bbox_query
 
 
 def padded_denoising_mask(num_denoising: int, group_size: int, padded: int, num_matching: int,
@@ -231,7 +250,8 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
     from mmdet.models.layers import CdnQueryGenerator
     head, generator = detector.bbox_head, getattr(detector, "dn_query_generator", None)
     if not (type(detector).pre_decoder is DINO.pre_decoder and type(detector).forward_decoder is DINO.forward_decoder
-            and type(head).loss is DINOHead.loss and type(generator).__call__ is CdnQueryGenerator.__call__):
+            and type(head).loss is DINOHead.loss and type(generator).__call__ is CdnQueryGenerator.__call__
+            and type(generator).collate_dn_queries is CdnQueryGenerator.collate_dn_queries):
         return None
 
     def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask):
