@@ -109,6 +109,37 @@ def test_tables_made_on_the_host_are_never_read_and_are_reused():
     assert level_table_host_reads() == before
 
 
+def test_tables_made_inside_a_graph_capture_are_written_by_kernels_and_not_kept(monkeypatch):
+    # A capture cannot copy from the host (and a table it makes holds its values only once the graph replays):
+    # tables of new sizes are filled by captured kernels, known to the op without a read, and never reused by an
+    # eager call.
+    from deform_plugin.ops.msda import level_tables
+    levels = [(9, 14), (5, 7), (3, 4), (2, 2)]
+    before = level_table_host_reads()
+    monkeypatch.setattr(level_tables, "_in_graph_capture", lambda device: True)
+    monkeypatch.setattr(level_tables, "_copied_to_device", lambda values, device: pytest.fail("copied in a capture"))
+    shapes, starts = make_level_tables(levels, DEVICE)
+    assert make_level_tables(levels, DEVICE)[0] is not shapes
+    assert shapes.tolist() == [list(level) for level in levels] and starts.tolist() == [0, 126, 161, 173]
+    assert level_tables.host_level_tables(shapes, starts) == (tuple(levels), (0, 126, 161, 173))
+    assert level_table_host_reads() == before
+    monkeypatch.undo()
+    eager = make_level_tables(levels, DEVICE)
+    assert eager[0] is not shapes and make_level_tables(levels, DEVICE)[0] is eager[0]
+
+
+@requires_gpu
+def test_tables_made_in_a_captured_graph_hold_their_values_after_replay():
+    levels = [(11, 13), (6, 7), (3, 4)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        shapes, starts = make_level_tables(levels, DEVICE)
+        total = shapes.prod(1).sum() + starts.sum()
+    graph.replay()
+    assert shapes.tolist() == [list(level) for level in levels] and starts.tolist() == [0, 143, 185]
+    assert total.item() == 143 + 42 + 12 + 143 + 185
+
+
 def test_tables_changed_in_place_are_validated_again():
     generator = torch.Generator().manual_seed(1)
     shapes, starts = _tables()

@@ -7,7 +7,8 @@ calls with the same tensor reuse the host copy, so a steady-state call never wai
 tables were seen before can be captured in a CUDA graph. mmdet builds the tables once per forward and passes the
 same tensors to every layer: one read per table per forward. :func:`make_level_tables` removes even that one: it
 builds the tables from host sizes, copies them without blocking, and records their host values, so they are
-never read at all; it returns the same tensors for the same sizes.
+never read at all; it returns the same tensors for the same sizes. Inside a CUDA-graph capture, which cannot copy
+from the host, it writes the values with captured kernels instead (replays write them again) and keeps nothing.
 """
 from __future__ import annotations
 
@@ -91,16 +92,36 @@ def make_level_tables(level_sizes: Sequence[Sequence[int]], device: torch.device
     for height, width in shapes:
         starts.append(offset)
         offset += height * width
-    host = torch.tensor([value for shape in shapes for value in shape] + starts, dtype=torch.int64)
-    if key[1].type == "cuda":
-        # Pinned memory lets the copy run asynchronously; the caching host allocator keeps the buffer alive until
-        # the copy has completed.
-        host = host.pin_memory()
-    flat = host.to(key[1], non_blocking=True)
+    values = [value for shape in shapes for value in shape] + starts
+    capturing = _in_graph_capture(key[1])
+    flat = _filled_on_device(values, key[1]) if capturing else _copied_to_device(values, key[1])
     spatial_shapes, level_start_index = flat[:2 * len(shapes)].view(-1, 2), flat[2 * len(shapes):]
     _host_copies.record(spatial_shapes, shapes)
     _host_copies.record(level_start_index, tuple(starts))
-    _made_tables[key] = (spatial_shapes, level_start_index)
-    if len(_made_tables) > _MADE_TABLES_KEPT:
-        _made_tables.popitem(last=False)
+    if not capturing:
+        # Tables made in a capture are written only when the graph replays: an eager call must not find them.
+        _made_tables[key] = (spatial_shapes, level_start_index)
+        if len(_made_tables) > _MADE_TABLES_KEPT:
+            _made_tables.popitem(last=False)
     return spatial_shapes, level_start_index
+
+
+def _in_graph_capture(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _copied_to_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cuda":
+        # Pinned memory lets the copy run asynchronously; the caching host allocator keeps the buffer alive until
+        # the copy has completed.
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def _filled_on_device(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    # One fill kernel per value: their arguments hold the values, so a graph captures them (a dozen tiny nodes).
+    flat = torch.empty(len(values), dtype=torch.int64, device=device)
+    for i, value in enumerate(values):
+        flat[i].fill_(value)
+    return flat
