@@ -16,8 +16,7 @@ from typing import Optional, Tuple
 import torch
 import triton.language as tl
 
-from ..triton_support import (DirectLaunches, launch_device, next_power_of_2, pointer_alignment_bits,
-                              triton_interpreter_enabled)
+from ..triton_support import DirectLaunches, launch_device, next_power_of_2, pointer_alignment_bits
 from .triton_kernels import msda_backward_kernel, msda_forward_kernel, msda_grad_value_segments_kernel
 
 # Entries of the deterministic grad_value reduction handled per step of its loop.
@@ -38,45 +37,20 @@ class LaunchConfig:
     num_stages: int = 1
 
 
-# What one thread loads of a value row per sample: 16 bytes, a single 128-bit load.
-_BYTES_PER_THREAD = 16
-_THREADS_PER_WARP = 32
-
-
 @functools.lru_cache(maxsize=None)
-def choose_config(head_dim: int, element_size: int, block_q: Optional[int] = None,
-                  num_warps: Optional[int] = None) -> LaunchConfig:
-    """One warp per program, over as many queries as make each thread load 16 bytes of a row per sample (with
-    overrides for tuning). ``element_size``: bytes per element of what the gathers feed (the value's in the forward,
-    the float32 or float64 accumulators' in the backward).
+def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optional[int] = None) -> LaunchConfig:
+    """Blocks of about 1K elements ([32 queries x 32 channels] at head_dim 32), 4 warps, with overrides for tuning.
 
-    Measured on an H100 at head_dim 32 (docs/kernels.md): a warp over [4 queries x 32 channels] in float32 (8 in
-    16-bit) beats the earlier [32 x 32] tiles of 4 warps at every size: many small resident programs keep more
-    independent gathers in flight. Decoder-sized forwards took 0.6x their time, the fused encoder forward 0.53-0.6x,
-    the backward 0.75-0.93x. The blocks depend on head_dim and dtypes only, never on the query count: a new image
-    size must not compile a new variant.
+    Measured on an H200 (docs/kernels.md): small tiles win in both directions, since many resident programs keep
+    more independent gathers in flight than a large tile per program does; 128 x 32 tiles were 1.2-2x slower.
+    The blocks depend on head_dim only, never on the query count: a new image size must not compile a new variant.
     """
     block_d = next_power_of_2(head_dim)
     if block_q is None:
-        block_q = max(1, _THREADS_PER_WARP * _BYTES_PER_THREAD // (block_d * element_size))
+        block_q = max(1, 1024 // block_d)
     if num_warps is None:
-        num_warps = 1
+        num_warps = max(1, min(8, block_q * block_d // 256))
     return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
-
-
-@functools.lru_cache(maxsize=None)
-def interpreter_config(head_dim: int) -> LaunchConfig:
-    """Tiles of about 1K elements for Triton's CPU interpreter, which runs each program's block as numpy operations:
-    the GPU's small tiles would make CPU runs several times longer for the same results (the kernels are written for
-    any block size; tests run the GPU's tiles too)."""
-    block_d = next_power_of_2(head_dim)
-    return LaunchConfig(block_q=max(1, 1024 // block_d), block_d=block_d, num_warps=4)
-
-
-def _default_config(head_dim: int, element_size: int) -> LaunchConfig:
-    if triton_interpreter_enabled():
-        return interpreter_config(head_dim)
-    return choose_config(head_dim, element_size)
 
 
 def _accumulator_dtype(value: torch.Tensor):
@@ -126,7 +100,7 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
         return output.zero_()
     shapes, starts = _level_tables(spatial_shapes, level_start_index, value.device)
     fused = reference_points is not None
-    config = config or _default_config(head_dim, value.element_size())
+    config = config or choose_config(head_dim)
     grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
     tensors = (value, shapes, starts, samples, sample_weights, reference_points if fused else samples, output)
     constexprs = (num_levels, num_points, reference_points.shape[-1] if fused else 2, fused, config.block_q,
@@ -201,8 +175,7 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
         entry_keys = entry_coefs = None
 
     shapes, starts = _level_tables(spatial_shapes, level_start_index, value.device)
-    # The backward's gathers feed its float32 (float64) accumulators whatever value's dtype.
-    config = config or _default_config(head_dim, torch.finfo(buffer_dtype).bits // 8)
+    config = config or choose_config(head_dim)
     grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
     unused = grad_samples  # stands for pointer arguments a variant does not use
     tensors = (grad_output, value, shapes, starts, samples, sample_weights, reference_points if fused else samples,

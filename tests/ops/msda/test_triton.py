@@ -298,30 +298,9 @@ def fused_reference(value, spatial_shapes, level_start_index, reference, offsets
     return multi_scale_deformable_attn_reference(value, spatial_shapes, level_start_index, locations, weights)
 
 
-def run_with_the_gpu_tiles(monkeypatch):
-    # The interpreter gets large tiles by default (triton_launch.interpreter_config); the GPU's one-warp tiles cover
-    # other block sizes and query tails, so CPU runs check those too.
-    from deform_plugin.ops.msda import triton_launch
-    monkeypatch.setattr(triton_launch, "triton_interpreter_enabled", lambda: False)
-
-
-@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
-def test_the_gpu_tiles_match_the_reference(dtype_name, monkeypatch):
-    from deform_plugin.ops.msda import triton_launch
-    run_with_the_gpu_tiles(monkeypatch)
-    dtype = DTYPES[dtype_name]
-    # One warp; each thread loads 16 bytes of a row: 8 queries of 16 float32 channels, 16 of bf16.
-    assert triton_launch._default_config(16, dtype.itemsize) == triton_launch.LaunchConfig(
-        block_q=32 // dtype.itemsize, block_d=16, num_warps=1)
-    assert_matches_reference(make_case([(6, 7), (3, 4), (2, 1)], 2, 19, 2, 16, 3, dtype), dtype)
-
-
-@pytest.mark.parametrize("tiles", ["default", "gpu"])
 @pytest.mark.parametrize("ref_dim", [2, 4], ids=["points2d", "boxes4d"])
 @pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
-def test_fused_path_matches_reference(ref_dim, dtype_name, tiles, monkeypatch):
-    if tiles == "gpu":
-        run_with_the_gpu_tiles(monkeypatch)
+def test_fused_path_matches_reference(ref_dim, dtype_name):
     dtype = DTYPES[dtype_name]
     levels = [(6, 7), (3, 4), (1, 2)] if not ON_GPU else ENCODER_LEVELS
     queries = 5 if not ON_GPU else 3001
