@@ -499,8 +499,12 @@ def _mask2former_loss_inputs(num_gts_per_image, num_classes, seed=0):
 
 
 @pytest.mark.parametrize("num_gts", [(3, 5), (0, 4), (0, 0), (25, 2)], ids=["gts3-5", "gts0-4", "gts0-0", "gts25-2"])
-def test_mask2former_one_pass_matching_gives_the_stock_losses_and_gradients(num_gts):
+def test_mask2former_one_pass_matching_gives_the_stock_losses_and_gradients(num_gts, monkeypatch):
     from deform_plugin.integration.mmdet_fast_paths import mask2former_losses
+    every_layer_at_once = []
+    one_pass = mask2former_losses._mask_losses_of_every_layer
+    monkeypatch.setattr(mask2former_losses, "_mask_losses_of_every_layer",
+                        lambda *args: every_layer_at_once.append(one_pass(*args)) or every_layer_at_once[-1])
     stock_head = _mask2former_head()
     fast_head = copy.deepcopy(stock_head)
     holder = nn.Module()
@@ -523,8 +527,59 @@ def test_mask2former_one_pass_matching_gives_the_stock_losses_and_gradients(num_
     for got, expected in zip(fast_grads, stock_grads):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     assert torch.equal(fast_next, stock_next)  # as many random numbers drawn as stock draws
+    # The mask losses of all layers in one pass where every gt is matched (20 queries), mmdet's per-layer
+    # arithmetic where some are not (25 gts) or none exist.
+    assert [result is not None for result in every_layer_at_once] == [sum(num_gts) in (8, 4)]
     assert mask2former_losses._batchable_mask2former_head(stock_head)
     assert not mask2former_losses._batchable_mask2former_head(fast_head)  # changed once only
+
+
+def test_mask2former_one_pass_losses_wait_for_the_gpu_once_on_the_cpu_too():
+    """As the DETR heads' test above, for Mask2Former (the CUDA test below counts real syncs): recorded on the CPU,
+    the one-pass matching and losses leave the one copy of the cost matrices."""
+    from host_transfers import HostTransferSpy
+    stock_head = _mask2former_head()
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.panoptic_head = fast_head
+    apply_fast_paths(holder, batched_matching=True)
+    cls_scores, mask_preds, gts, metas = _mask2former_loss_inputs((3, 5), stock_head.num_classes)
+    recorded = []
+    for head in (stock_head, fast_head):
+        leaves = [t.clone().requires_grad_() for t in cls_scores + mask_preds]
+        with HostTransferSpy() as spy:
+            losses = head.loss_by_feat(leaves[:4], leaves[4:], gts, metas)
+            sum(value.sum() for value in losses.values()).backward()
+        recorded.append([operation for operation, _ in spy.calls])
+    stock, fast = recorded
+    assert len(stock) >= 4 * 2, stock  # per layer and image at least the cost copy
+    assert fast == ["cpu"], fast
+
+
+@pytest.mark.parametrize("naive_dice", [True, False])
+def test_mask2former_cost_matrices_of_every_layer_at_once_are_mmdets(naive_dice):
+    from mmengine.structures import InstanceData
+
+    from deform_plugin.integration.mmdet_fast_paths.mask2former_losses import _layered_cost_matrices
+    from deform_plugin.integration.mmdet_fast_paths.matching import _cost_matrix
+    assigner = _mask2former_head().assigner
+    assigner.match_costs[-1].naive_dice = naive_dice
+    generator = torch.Generator().manual_seed(3)
+    layers, queries, gts, points, classes = 3, 7, 4, 50, 9
+    scores = torch.randn(layers, queries, classes + 1, generator=generator)
+    mask_points = torch.randn(layers, queries, points, generator=generator) * 3
+    gt_points = (torch.rand(layers, gts, points, generator=generator) < 0.4).float()
+    labels = torch.randint(0, classes, (gts,), generator=generator)
+    ours = _layered_cost_matrices(assigner, scores, mask_points, labels, gt_points)
+    assert ours.shape == (layers, queries, gts)
+    for layer in range(layers):
+        theirs = _cost_matrix(assigner, InstanceData(scores=scores[layer], masks=mask_points[layer]),
+                              InstanceData(labels=labels, masks=gt_points[layer]), dict(img_shape=(8, 8)))
+        torch.testing.assert_close(ours[layer], theirs, rtol=1e-6, atol=1e-6)
+    # Cost terms it does not know: the caller falls back to mmdet's per-layer calls.
+    from mmdet.models.task_modules.assigners.match_cost import FocalLossCost
+    assigner.match_costs.append(FocalLossCost())
+    assert _layered_cost_matrices(assigner, scores, mask_points, labels, gt_points) is None
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")

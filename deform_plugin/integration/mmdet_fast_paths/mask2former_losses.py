@@ -6,12 +6,16 @@ host (a wait for the GPU), two ``nonzero()`` calls in the sampler, then per laye
 masks and a ``max()`` on a device tensor: about 70 host syncs per step, each of which drains the GPU's queue while
 the host then issues the next small kernels alone.
 
-Here, as ``loss_by_feat`` of a Mask2Former head: the cost matrices of every (layer, image) pair are built by the
-assigner's own cost terms on the same sampled points, copied to the host in one transfer and solved; the matched
-query and gt indices reach the device in one non-blocking copy; the targets and the per-layer losses are mmdet's
-(the head's own loss modules, the same point sampling and importance selection), indexed instead of
-boolean-selected. The normaliser (matched masks, at least one per image, averaged over ranks) is the same integer in
-every layer: it is computed on the host and all-reduced once.
+Here, as ``loss_by_feat`` of a Mask2Former head: the cost matrices of every (layer, image) pair are built on the
+same sampled points, copied to the host in one transfer and solved; the matched query and gt indices reach the
+device in one non-blocking copy; the targets and losses are indexed instead of boolean-selected. The normaliser
+(matched masks, at least one per image, averaged over ranks) is the same integer in every layer: it is computed on
+the host and all-reduced once. The eager tail is host-bound (the network's forward and backward replay from CUDA
+graphs), so the layers are batched where mmdet's arithmetic allows it: an image's cost matrices of every layer at
+once (mmdet's ``ClassificationCost``, sigmoid ``CrossEntropyLossCost`` and ``DiceCost`` with a layer dimension;
+other cost terms: the assigner's own calls per layer), and the dice and mask losses of every layer at once when
+every gt is matched in every layer (mmdet's ``DiceLoss`` and sigmoid ``CrossEntropyLoss`` arithmetic; otherwise
+the head's own loss modules per layer). The classification losses stay per layer (mmdet's criterion).
 
 Exact: mmdet draws the random sample points layer by layer (each image's matching points, then the loss's
 oversampled and random points); this pass draws the same tensors in the same order before it starts, so a seeded
@@ -23,6 +27,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch.profiler import record_function
 
 from .matching import _cost_matrix, _solve, _to_device_without_blocking
@@ -68,6 +73,15 @@ def _solve_every_layer(head, all_cls_scores, all_mask_preds, batch_gt_instances,
                 coords = torch.cat([draws.matching[layer][image] for layer in range(num_layers)], dim=1)
                 gt_points = point_sample(gt_instances.masks.unsqueeze(0).float(), coords)[0]
                 gt_points = gt_points.view(num_gts, num_layers, -1)
+                mask_points = [point_sample(all_mask_preds[layer][image:image + 1], draws.matching[layer][image])[0]
+                               for layer in range(num_layers)]
+                costs = _layered_cost_matrices(
+                    head.assigner, torch.stack([all_cls_scores[layer][image] for layer in range(num_layers)]),
+                    torch.stack(mask_points), gt_instances.labels, gt_points.transpose(0, 1))
+                if costs is not None:
+                    flat_costs.append(costs.reshape(-1))
+                    blocks += [(layer, image, costs.shape[1:]) for layer in range(num_layers)]
+                    continue
                 for layer in range(num_layers):
                     mask_points = point_sample(all_mask_preds[layer][image:image + 1],
                                                draws.matching[layer][image])[0]
@@ -86,6 +100,43 @@ def _solve_every_layer(head, all_cls_scores, all_mask_preds, batch_gt_instances,
                 solved[layer][image] = _solve(host[offset:offset + rows * cols].reshape(rows, cols))
                 offset += rows * cols
     return solved
+
+
+def _layered_cost_matrices(assigner, scores: torch.Tensor, mask_points: torch.Tensor, gt_labels: torch.Tensor,
+                           gt_points: torch.Tensor) -> Optional[torch.Tensor]:
+    """Every layer's cost matrix of one image at once, ``(layers, queries, gts)``: mmdet 3.3.0's
+    ``ClassificationCost``, ``CrossEntropyLossCost`` (sigmoid) and ``DiceCost`` with a layer dimension in front
+    (batched ``einsum`` where mmdet makes one per layer), summed as ``HungarianAssigner.assign`` sums them. None if
+    the assigner has other cost terms.
+
+    ``scores``: ``(layers, queries, classes + 1)`` logits; ``mask_points``: ``(layers, queries, points)`` mask logits
+    at each layer's points; ``gt_points``: ``(layers, gts, points)`` the gt masks at the same points.
+    """
+    from mmdet.models.task_modules.assigners.match_cost import ClassificationCost, CrossEntropyLossCost, DiceCost
+    costs = []
+    for match_cost in assigner.match_costs:
+        kind = type(match_cost)
+        if kind is ClassificationCost:
+            cost = -scores.softmax(-1)[..., gt_labels]
+        elif kind is CrossEntropyLossCost and match_cost.use_sigmoid:
+            preds, gts = mask_points.float(), gt_points.float()
+            positive = F.binary_cross_entropy_with_logits(preds, torch.ones_like(preds), reduction="none")
+            negative = F.binary_cross_entropy_with_logits(preds, torch.zeros_like(preds), reduction="none")
+            cost = torch.einsum("lnc,lmc->lnm", positive, gts) + torch.einsum("lnc,lmc->lnm", negative, 1 - gts)
+            cost = cost / preds.shape[-1]
+        elif kind is DiceCost:
+            preds = mask_points.sigmoid() if match_cost.pred_act else mask_points
+            gts = gt_points.float()
+            numerator = 2 * torch.einsum("lnc,lmc->lnm", preds, gts)
+            if match_cost.naive_dice:
+                denominator = preds.sum(-1)[..., :, None] + gts.sum(-1)[..., None, :]
+            else:
+                denominator = preds.pow(2).sum(-1)[..., :, None] + gts.pow(2).sum(-1)[..., None, :]
+            cost = 1 - (numerator + match_cost.eps) / (denominator + match_cost.eps)
+        else:
+            return None
+        costs.append(cost * match_cost.weight)
+    return torch.stack(costs).sum(dim=0).detach()
 
 
 def _matched_indices(solved: List[List[np.ndarray]], num_queries: int, gt_offsets: List[int], device):
@@ -125,6 +176,64 @@ def _uncertain_points(head, mask_preds: torch.Tensor, oversampled: torch.Tensor,
     if random is not None:
         coords = torch.cat((coords, random), dim=1)
     return coords
+
+
+def _mask_losses_of_every_layer(head, all_mask_preds, matched, counts: List[int], all_gt_masks: torch.Tensor,
+                                draws: _StockDraws, normalisers):
+    """Every layer's dice and mask losses in one pass: mmdet 3.3.0's ``DiceLoss`` (sigmoid) and sigmoid
+    ``CrossEntropyLoss`` arithmetic on the same points, with a layer dimension in front. Each (1,) loss equals
+    mmdet's per-layer call up to float summation order.
+
+    Each gt mask is point-sampled once, at its points of every layer (mmdet samples each layer's matched gt masks
+    anew). That needs every gt matched in every layer, as Hungarian matching does while the queries outnumber the
+    gts; otherwise, or for loss modules other than mmdet's, this returns None and the caller runs mmdet's per-layer
+    arithmetic.
+    """
+    from mmcv.ops import point_sample
+    from mmdet.models.losses import CrossEntropyLoss, DiceLoss
+    from mmdet.models.losses.cross_entropy_loss import binary_cross_entropy
+    num_layers, num_gts = len(all_mask_preds), all_gt_masks.shape[0]
+    loss_dice, loss_mask = head.loss_dice, head.loss_mask
+    if (num_gts == 0 or any(count != num_gts for count in counts)
+            or type(loss_dice) is not DiceLoss or not (loss_dice.use_sigmoid and loss_dice.activate)
+            or loss_dice.reduction != "mean"
+            or type(loss_mask) is not CrossEntropyLoss or not loss_mask.use_sigmoid
+            or loss_mask.cls_criterion is not binary_cross_entropy or loss_mask.class_weight is not None
+            or loss_mask.reduction != "mean"):
+        return None
+    gt_inds = torch.stack([gts for _, gts in matched])                      # (layers, gts): a permutation each
+    matched_preds = torch.stack([preds.flatten(0, 1)[queries] for preds, (queries, _) in zip(all_mask_preds, matched)])
+    flat_preds = matched_preds.flatten(0, 1).unsqueeze(1)                    # (layers * gts, 1, H, W)
+    oversampled = torch.stack(draws.oversampled).flatten(0, 1)
+    random = None if draws.random[0] is None else torch.stack(draws.random).flatten(0, 1)
+    with torch.no_grad():
+        coords = _uncertain_points(head, flat_preds, oversampled, random)      # (layers * gts, points, 2)
+        num_points = coords.shape[1]
+        layer_ids = torch.arange(num_layers, device=coords.device)[:, None]
+        by_gt = coords.new_empty(num_gts, num_layers, num_points, 2)
+        by_gt[gt_inds, layer_ids] = coords.view(num_layers, num_gts, num_points, 2)
+        sampled = point_sample(all_gt_masks.unsqueeze(1).float(), by_gt.view(num_gts, -1, 2))
+        point_targets = sampled.view(num_gts, num_layers, num_points)[gt_inds, layer_ids]
+    point_preds = point_sample(flat_preds, coords).view(num_layers, num_gts, num_points)
+    avg_factors = torch.cat(list(normalisers))                               # (layers,)
+    eps = torch.finfo(torch.float32).eps                                     # weight_reduce_loss's
+
+    probabilities = point_preds.sigmoid()
+    overlap = torch.sum(probabilities * point_targets, -1)
+    if loss_dice.naive_dice:
+        dice = (2 * overlap + loss_dice.eps) / (torch.sum(probabilities, -1) + torch.sum(point_targets, -1)
+                                                + loss_dice.eps)
+    else:
+        dice = (2 * overlap) / (torch.sum(probabilities * probabilities, -1) + loss_dice.eps
+                                + torch.sum(point_targets * point_targets, -1) + loss_dice.eps)
+    losses_dice = loss_dice.loss_weight * ((1 - dice).sum(-1) / (avg_factors + eps))
+
+    ignore_index = -100 if loss_mask.ignore_index is None else loss_mask.ignore_index
+    valid = ((point_targets >= 0) & (point_targets != ignore_index)).float()
+    bce = F.binary_cross_entropy_with_logits(point_preds, point_targets.float(), reduction="none")
+    losses_mask = loss_mask.loss_weight * ((bce * valid).flatten(1).sum(-1)
+                                           / (avg_factors * head.num_points + eps))
+    return list(losses_dice.split(1)), list(losses_mask.split(1))
 
 
 def _classification_loss(head, scores, labels, label_weights, class_weight, avg_factor):
@@ -167,6 +276,8 @@ def mask2former_loss_by_feat_batched(self, all_cls_scores, all_mask_preds, batch
     # per-rank counts that are each at least the number of images: mmdet's max(., 1) never applies.
     normalisers = reduce_mean(_to_device_without_blocking(avg_factors, device).to(all_cls_scores[0].dtype)).split(1)
 
+    mask_losses = _mask_losses_of_every_layer(self, all_mask_preds, matched, counts, all_gt_masks, draws,
+                                              normalisers)
     losses_cls, losses_mask, losses_dice = [], [], []
     for layer in range(num_layers):
         cls_scores, mask_preds = all_cls_scores[layer], all_mask_preds[layer]
@@ -178,6 +289,8 @@ def mask2former_loss_by_feat_batched(self, all_cls_scores, all_mask_preds, batch
         losses_cls.append(_classification_loss(self, flat_scores, labels, label_weights, class_weight,
                                                avg_factor=class_weight[labels].sum()))
 
+        if mask_losses is not None:
+            continue
         matched_preds = mask_preds.flatten(0, 1)[query_inds]
         if counts[layer] == 0:  # mmdet's "zero match"
             losses_dice.append(matched_preds.sum())
@@ -193,6 +306,8 @@ def mask2former_loss_by_feat_batched(self, all_cls_scores, all_mask_preds, batch
         losses_mask.append(self.loss_mask(point_preds.reshape(-1), point_targets.reshape(-1),
                                           avg_factor=normalisers[layer] * self.num_points))
 
+    if mask_losses is not None:
+        losses_dice, losses_mask = mask_losses
     loss_dict = dict(loss_cls=losses_cls[-1], loss_mask=losses_mask[-1], loss_dice=losses_dice[-1])
     for layer in range(num_layers - 1):
         loss_dict[f"d{layer}.loss_cls"] = losses_cls[layer]
