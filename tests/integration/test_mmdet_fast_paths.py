@@ -505,6 +505,11 @@ def test_mask2former_one_pass_matching_gives_the_stock_losses_and_gradients(num_
     one_pass = mask2former_losses._mask_losses_of_every_layer
     monkeypatch.setattr(mask2former_losses, "_mask_losses_of_every_layer",
                         lambda *args: every_layer_at_once.append(one_pass(*args)) or every_layer_at_once[-1])
+    classification_at_once = []
+    one_pass_classification = mask2former_losses._classification_losses_of_every_layer
+    monkeypatch.setattr(mask2former_losses, "_classification_losses_of_every_layer",
+                        lambda *args: classification_at_once.append(one_pass_classification(*args))
+                        or classification_at_once[-1])
     stock_head = _mask2former_head()
     fast_head = copy.deepcopy(stock_head)
     holder = nn.Module()
@@ -530,6 +535,7 @@ def test_mask2former_one_pass_matching_gives_the_stock_losses_and_gradients(num_
     # The mask losses of all layers in one pass where every gt is matched (20 queries), mmdet's per-layer
     # arithmetic where some are not (25 gts) or none exist.
     assert [result is not None for result in every_layer_at_once] == [sum(num_gts) in (8, 4)]
+    assert [result is not None for result in classification_at_once] == [True]  # mmdet's weighted softmax CE
     assert mask2former_losses._batchable_mask2former_head(stock_head)
     assert not mask2former_losses._batchable_mask2former_head(fast_head)  # changed once only
 

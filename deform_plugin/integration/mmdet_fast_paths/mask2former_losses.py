@@ -236,6 +236,28 @@ def _mask_losses_of_every_layer(head, all_mask_preds, matched, counts: List[int]
     return list(losses_dice.split(1)), list(losses_mask.split(1))
 
 
+def _classification_losses_of_every_layer(head, all_cls_scores, labels: torch.Tensor, label_weights: torch.Tensor,
+                                          class_weight: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    """Every layer's classification loss in one pass: mmdet 3.3.0's softmax ``CrossEntropyLoss`` with the head's
+    class weights (``cross_entropy``, then the weighted sum over the layer's queries divided by the layer's summed
+    class weights), with a layer dimension in front; ``labels``: ``(layers, images * queries)``. None for another
+    loss module (the caller runs it per layer)."""
+    from mmdet.models.losses import CrossEntropyLoss
+    from mmdet.models.losses.cross_entropy_loss import cross_entropy
+    loss_cls = head.loss_cls
+    if (type(loss_cls) is not CrossEntropyLoss or loss_cls.cls_criterion is not cross_entropy
+            or loss_cls.class_weight is None or list(loss_cls.class_weight) != list(head.class_weight)
+            or loss_cls.reduction != "mean"):
+        return None
+    scores = torch.stack([cls_scores.flatten(0, 1) for cls_scores in all_cls_scores])
+    ignore_index = -100 if loss_cls.ignore_index is None else loss_cls.ignore_index
+    loss = F.cross_entropy(scores.flatten(0, 1), labels.flatten(), weight=class_weight, reduction="none",
+                           ignore_index=ignore_index).view(labels.shape)
+    avg_factors = class_weight[labels].sum(-1)
+    eps = torch.finfo(torch.float32).eps  # weight_reduce_loss's
+    return list((loss_cls.loss_weight * ((loss * label_weights.float()).sum(-1) / (avg_factors + eps))).unbind(0))
+
+
 def _classification_loss(head, scores, labels, label_weights, class_weight, avg_factor):
     """``head.loss_cls(scores, labels, label_weights, avg_factor=...)``; for mmdet's softmax ``CrossEntropyLoss``
     with the head's class weights, its own criterion given those weights already on the device."""
@@ -278,36 +300,38 @@ def mask2former_loss_by_feat_batched(self, all_cls_scores, all_mask_preds, batch
 
     mask_losses = _mask_losses_of_every_layer(self, all_mask_preds, matched, counts, all_gt_masks, draws,
                                               normalisers)
-    losses_cls, losses_mask, losses_dice = [], [], []
-    for layer in range(num_layers):
-        cls_scores, mask_preds = all_cls_scores[layer], all_mask_preds[layer]
-        query_inds, gt_inds = matched[layer]
-        labels = torch.full((num_images * num_queries,), self.num_classes, dtype=torch.long, device=device)
-        labels[query_inds] = all_gt_labels[gt_inds].long()
-        label_weights = all_gt_labels.new_ones((num_images * num_queries,))
-        flat_scores = cls_scores.flatten(0, 1)
-        losses_cls.append(_classification_loss(self, flat_scores, labels, label_weights, class_weight,
-                                               avg_factor=class_weight[labels].sum()))
-
-        if mask_losses is not None:
-            continue
-        matched_preds = mask_preds.flatten(0, 1)[query_inds]
-        if counts[layer] == 0:  # mmdet's "zero match"
-            losses_dice.append(matched_preds.sum())
-            losses_mask.append(matched_preds.sum())
-            continue
-        mask_targets = all_gt_masks[gt_inds]
-        with torch.no_grad():
-            coords = _uncertain_points(self, matched_preds.unsqueeze(1), draws.oversampled[layer],
-                                       draws.random[layer])
-            point_targets = point_sample(mask_targets.unsqueeze(1).float(), coords).squeeze(1)
-        point_preds = point_sample(matched_preds.unsqueeze(1), coords).squeeze(1)
-        losses_dice.append(self.loss_dice(point_preds, point_targets, avg_factor=normalisers[layer]))
-        losses_mask.append(self.loss_mask(point_preds.reshape(-1), point_targets.reshape(-1),
-                                          avg_factor=normalisers[layer] * self.num_points))
+    labels = torch.full((num_layers, num_images * num_queries), self.num_classes, dtype=torch.long, device=device)
+    for layer, (query_inds, gt_inds) in enumerate(matched):
+        labels[layer, query_inds] = all_gt_labels[gt_inds].long()
+    label_weights = all_gt_labels.new_ones((num_images * num_queries,))
+    losses_cls = _classification_losses_of_every_layer(self, all_cls_scores, labels, label_weights, class_weight)
+    if losses_cls is None:
+        losses_cls = [_classification_loss(self, cls_scores.flatten(0, 1), layer_labels, label_weights, class_weight,
+                                           avg_factor=class_weight[layer_labels].sum())
+                      for cls_scores, layer_labels in zip(all_cls_scores, labels)]
 
     if mask_losses is not None:
         losses_dice, losses_mask = mask_losses
+    else:
+        losses_dice, losses_mask = [], []
+        for layer in range(num_layers):
+            mask_preds = all_mask_preds[layer]
+            query_inds, gt_inds = matched[layer]
+            matched_preds = mask_preds.flatten(0, 1)[query_inds]
+            if counts[layer] == 0:  # mmdet's "zero match"
+                losses_dice.append(matched_preds.sum())
+                losses_mask.append(matched_preds.sum())
+                continue
+            mask_targets = all_gt_masks[gt_inds]
+            with torch.no_grad():
+                coords = _uncertain_points(self, matched_preds.unsqueeze(1), draws.oversampled[layer],
+                                           draws.random[layer])
+                point_targets = point_sample(mask_targets.unsqueeze(1).float(), coords).squeeze(1)
+            point_preds = point_sample(matched_preds.unsqueeze(1), coords).squeeze(1)
+            losses_dice.append(self.loss_dice(point_preds, point_targets, avg_factor=normalisers[layer]))
+            losses_mask.append(self.loss_mask(point_preds.reshape(-1), point_targets.reshape(-1),
+                                              avg_factor=normalisers[layer] * self.num_points))
+
     loss_dict = dict(loss_cls=losses_cls[-1], loss_mask=losses_mask[-1], loss_dice=losses_dice[-1])
     for layer in range(num_layers - 1):
         loss_dict[f"d{layer}.loss_cls"] = losses_cls[layer]
