@@ -15,7 +15,8 @@ graphs), so the layers are batched where mmdet's arithmetic allows it: an image'
 once (mmdet's ``ClassificationCost``, sigmoid ``CrossEntropyLossCost`` and ``DiceCost`` with a layer dimension;
 other cost terms: the assigner's own calls per layer), and the dice and mask losses of every layer at once when
 every gt is matched in every layer (mmdet's ``DiceLoss`` and sigmoid ``CrossEntropyLoss`` arithmetic; otherwise
-the head's own loss modules per layer). The classification losses stay per layer (mmdet's criterion).
+the head's own loss modules per layer), and the classification losses of every layer at once (mmdet's
+class-weighted softmax ``CrossEntropyLoss``; another loss module runs per layer).
 
 Exact: mmdet draws the random sample points layer by layer (each image's matching points, then the loss's
 oversampled and random points); this pass draws the same tensors in the same order before it starts, so a seeded
