@@ -6,7 +6,7 @@
 # PHASE:
 #   tests     mmcv's CUDA ops start building in the background (the stock baseline, into the system site); the GPU
 #             tests run meanwhile on mmcv-lite; then (after the tests, on a one-GPU host) the MSDA entry benchmark
-#             runs against the stock op.
+#             runs against the stock op. TEST_PATHS picks the test files, ENTRY_BENCH=0 skips the benchmark.
 #   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours, and the
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
 #   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and (unless PROFILE=0)
@@ -92,9 +92,12 @@ install_wheels
 case "$phase" in
 tests)
   start_mmcv_build
-  on_gpu 0 with_lite timeout $(( $(left) - 20 )) python3 -m pytest -q -p no:cacheprovider tests/ops tests/models \
-      tests/integration/test_mmdet_graph_inference.py tests/integration/test_mmdet_graphed_training.py \
-      tests/integration/test_mmdet_fast_paths.py 2>&1 | tee "$results/gpu_tests.log" | tail -25 &
+  # TEST_PATHS picks the test files (default: all the GPU-relevant ones; a cold host needs more than one 10-minute
+  # call for them, so split them, e.g. TEST_PATHS="tests/ops tests/models" then the integration files); -v names
+  # each test in the log as it runs, so a run cut short by the time limit says how far it got.
+  on_gpu 0 with_lite timeout $(( $(left) - 20 )) python3 -m pytest -v -rfEs -p no:cacheprovider ${TEST_PATHS:-tests/ops \
+      tests/models tests/integration/test_mmdet_graph_inference.py tests/integration/test_mmdet_graphed_training.py \
+      tests/integration/test_mmdet_fast_paths.py} 2>&1 | tee "$results/gpu_tests.log" | tail -25 &
   tests_pid=$!
   if [ "$second_gpu" = 1 ]; then
     on_gpu 1 with_lite timeout 150 python3 tools/bench_deform_sdpa.py --out "$results" \
@@ -103,8 +106,10 @@ tests)
   wait_for_mmcv
   # On one GPU the timings wait for the tests: sharing the card and the host's cores skews the host-bound rows.
   [ "$second_gpu" = 0 ] && wait $tests_pid
-  on_gpu $second_gpu with_full timeout $(( $(left) - 15 )) python3 tools/bench_msda_entry.py --out "$results" 2>&1 \
-      | tee "$results/bench_msda_entry.log" | tail -40
+  if [ "${ENTRY_BENCH:-1}" = 1 ]; then  # ENTRY_BENCH=0: the tests only
+    on_gpu $second_gpu with_full timeout $(( $(left) - 15 )) python3 tools/bench_msda_entry.py --out "$results" 2>&1 \
+        | tee "$results/bench_msda_entry.log" | tail -40
+  fi
   wait $tests_pid
   ;;
 train)
