@@ -84,9 +84,7 @@ def _solve_every_layer(head, all_cls_scores, all_mask_preds, batch_gt_instances,
                     blocks += [(layer, image, costs.shape[1:]) for layer in range(num_layers)]
                     continue
                 for layer in range(num_layers):
-                    mask_points = point_sample(all_mask_preds[layer][image:image + 1],
-                                               draws.matching[layer][image])[0]
-                    pred_instances = InstanceData(scores=all_cls_scores[layer][image], masks=mask_points)
+                    pred_instances = InstanceData(scores=all_cls_scores[layer][image], masks=mask_points[layer])
                     sampled_gts = InstanceData(labels=gt_instances.labels, masks=gt_points[:, layer])
                     cost = _cost_matrix(head.assigner, pred_instances, sampled_gts, img_meta)
                     flat_costs.append(cost.reshape(-1))
@@ -243,12 +241,8 @@ def _classification_losses_of_every_layer(head, all_cls_scores, labels: torch.Te
     class weights (``cross_entropy``, then the weighted sum over the layer's queries divided by the layer's summed
     class weights), with a layer dimension in front; ``labels``: ``(layers, images * queries)``. None for another
     loss module (the caller runs it per layer)."""
-    from mmdet.models.losses import CrossEntropyLoss
-    from mmdet.models.losses.cross_entropy_loss import cross_entropy
     loss_cls = head.loss_cls
-    if (type(loss_cls) is not CrossEntropyLoss or loss_cls.cls_criterion is not cross_entropy
-            or loss_cls.class_weight is None or list(loss_cls.class_weight) != list(head.class_weight)
-            or loss_cls.reduction != "mean"):
+    if not _weighted_softmax_cross_entropy(head) or loss_cls.reduction != "mean":
         return None
     scores = torch.stack([cls_scores.flatten(0, 1) for cls_scores in all_cls_scores])
     ignore_index = -100 if loss_cls.ignore_index is None else loss_cls.ignore_index
@@ -259,14 +253,22 @@ def _classification_losses_of_every_layer(head, all_cls_scores, labels: torch.Te
     return list((loss_cls.loss_weight * ((loss * label_weights.float()).sum(-1) / (avg_factors + eps))).unbind(0))
 
 
-def _classification_loss(head, scores, labels, label_weights, class_weight, avg_factor):
-    """``head.loss_cls(scores, labels, label_weights, avg_factor=...)``; for mmdet's softmax ``CrossEntropyLoss``
-    with the head's class weights, its own criterion given those weights already on the device."""
+def _weighted_softmax_cross_entropy(head) -> bool:
+    """Whether the head's classification loss is mmdet's softmax ``CrossEntropyLoss`` with the head's class
+    weights (whose arithmetic the fast paths run with those weights already on the device)."""
     from mmdet.models.losses import CrossEntropyLoss
     from mmdet.models.losses.cross_entropy_loss import cross_entropy
     loss_cls = head.loss_cls
-    if (type(loss_cls) is not CrossEntropyLoss or loss_cls.cls_criterion is not cross_entropy
-            or loss_cls.class_weight is None or list(loss_cls.class_weight) != list(head.class_weight)):
+    return (type(loss_cls) is CrossEntropyLoss and loss_cls.cls_criterion is cross_entropy
+            and loss_cls.class_weight is not None and list(loss_cls.class_weight) == list(head.class_weight))
+
+
+def _classification_loss(head, scores, labels, label_weights, class_weight, avg_factor):
+    """``head.loss_cls(scores, labels, label_weights, avg_factor=...)``; for mmdet's softmax ``CrossEntropyLoss``
+    with the head's class weights, its own criterion given those weights already on the device."""
+    from mmdet.models.losses.cross_entropy_loss import cross_entropy
+    loss_cls = head.loss_cls
+    if not _weighted_softmax_cross_entropy(head):
         return loss_cls(scores, labels, label_weights, avg_factor=avg_factor)
     return loss_cls.loss_weight * cross_entropy(
         scores, labels, label_weights, class_weight=class_weight, reduction=loss_cls.reduction, avg_factor=avg_factor,
