@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .matching import _cost_matrix, _solve, _to_device_without_blocking
+from .matching import _cost_matrix, _solve, _to_device_without_blocking, costs_to_host
 
 
 class _StockDraws:
@@ -92,7 +92,7 @@ def _solve_every_layer(head, all_cls_scores, all_mask_preds, batch_gt_instances,
         if not flat_costs:
             return solved
         with record_function("deform_plugin::matching.wait_and_copy_to_host"):
-            host = torch.cat([c.to(flat_costs[0].dtype) for c in flat_costs]).cpu().numpy()
+            host = costs_to_host(flat_costs)
         with record_function("deform_plugin::matching.scipy"):
             offset = 0
             for layer, image, (rows, cols) in blocks:
