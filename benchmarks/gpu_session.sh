@@ -9,8 +9,8 @@
 #             runs against the stock op. TEST_PATHS picks the test files, ENTRY_BENCH=0 skips the benchmark.
 #   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours, and the
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
-#   scale     two-GPU DDP against one GPU, the demo's loss curves (plain fp32 vs fast bf16) and (unless PROFILE=0)
-#             a step profile.
+#   scale     two-GPU DDP against one GPU (SCALE_ITERS iterations, default 100), the demo's loss curves (plain fp32
+#             vs fast bf16; DEMO=0 skips them) and (unless PROFILE=0) a step profile.
 #   profile   the step profile alone (stock fp32, ours bf16 without and with the config's fast paths).
 #   build     mmcv's CUDA ops only (the stock baseline), for the phases after it on the same host; with PACK=1 the
 #             build comes back packed in OUT: copied into .whl, later fresh hosts unpack it in seconds.
@@ -156,14 +156,16 @@ scale)
       tail -6 "$results/ddp_$n.log"
     done
   fi
-  demo_plain=configs/demo/deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py
-  demo_fast=configs/fast/deformable-detr-refine_r18_tiny_1xb4-500i_shapes-fast.py
-  DEFORM_PLUGIN_BACKEND=mmcv on_gpu 0 with_full timeout $(left) python3 tools/train.py $demo_plain \
-      --work-dir "$results/demo_fp32_mmcv" > "$results/demo_fp32_mmcv.log" 2>&1 &
-  on_gpu $second_gpu with_full timeout $(left) python3 tools/train.py $demo_fast --amp-dtype bfloat16 \
-      --work-dir "$results/demo_bf16_fast" > "$results/demo_bf16_fast.log" 2>&1
-  wait
-  grep -h "bbox_mAP" "$results"/demo_*.log | tail -4
+  if [ "${DEMO:-1}" = 1 ]; then  # DEMO=0 leaves the demo's loss curves out
+    demo_plain=configs/demo/deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py
+    demo_fast=configs/fast/deformable-detr-refine_r18_tiny_1xb4-500i_shapes-fast.py
+    DEFORM_PLUGIN_BACKEND=mmcv on_gpu 0 with_full timeout $(left) python3 tools/train.py $demo_plain \
+        --work-dir "$results/demo_fp32_mmcv" > "$results/demo_fp32_mmcv.log" 2>&1 &
+    on_gpu $second_gpu with_full timeout $(left) python3 tools/train.py $demo_fast --amp-dtype bfloat16 \
+        --work-dir "$results/demo_bf16_fast" > "$results/demo_bf16_fast.log" 2>&1
+    wait
+    grep -h "bbox_mAP" "$results"/demo_*.log | tail -4
+  fi
   if [ "${PROFILE:-1}" = 1 ]; then  # PROFILE=0 leaves the step profile to the profile phase
     on_gpu 0 with_full timeout $(left) python3 tools/profile_step.py \
         configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \

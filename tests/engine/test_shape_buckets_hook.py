@@ -74,3 +74,65 @@ def test_fast_configs_bucket_the_random_resize_pipelines(name, divisor):
     from mmengine.config import Config
     cfg = Config.fromfile(os.path.join(REPO_ROOT, "configs", "fast", name), import_custom_modules=False)
     assert training_size_divisor_from_config(cfg) == divisor
+
+
+# ---- every rank pads to one shape under distributed training ------------------------------------------------------
+
+_RANK_IMAGE_SIZES = {0: [(100, 150), (90, 161)], 1: [(200, 120), (130, 140)]}
+
+
+def _one_shape_worker(rank, out_dir):
+    from mmdet.structures import DetDataSample
+
+    from deform_plugin.engine.hooks import ShapeBucketsHook as Hook
+
+    def batch():
+        generator = torch.Generator().manual_seed(rank)
+        images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=generator)
+                  for h, w in _RANK_IMAGE_SIZES[rank]]
+        samples = [DetDataSample(metainfo=dict(img_shape=tuple(i.shape[1:]))) for i in images]
+        return dict(inputs=images, data_samples=samples)
+
+    model = _detector_with_preprocessor(pad_size_divisor=1)
+    model.data_preprocessor.mean.fill_(100.0)  # padding is added after normalisation: pad_value, not -mean/std
+    own = model.data_preprocessor(batch(), training=True)
+    hook = Hook(size_divisor=32)
+    hook.before_train(SimpleNamespace(model=model))
+    hook.before_train(SimpleNamespace(model=model))  # a second train() wraps nothing twice
+    if rank == 0:  # ranks may run different numbers of evaluation batches: no collective there
+        evaluation = model.data_preprocessor(batch(), training=False)
+    else:
+        evaluation = None
+    shared = model.data_preprocessor(batch(), training=True)
+    reference = _detector_with_preprocessor(pad_size_divisor=32)
+    reference.data_preprocessor.mean.fill_(100.0)
+    bucketed = reference.data_preprocessor(batch(), training=True)
+    torch.save(dict(own=own["inputs"], shared=shared["inputs"], bucketed=bucketed["inputs"],
+                    batch_input_shapes=[s.batch_input_shape for s in shared["data_samples"]],
+                    evaluation=None if evaluation is None else tuple(evaluation["inputs"].shape[-2:])),
+               os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_every_rank_pads_its_training_batch_to_the_largest_padded_shape_of_all_ranks(tmp_path):
+    from gloo_ranks import run_gloo_ranks
+    run_gloo_ranks(_one_shape_worker, str(tmp_path))
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    # Rank 0 pads to (128, 192) on its own, rank 1 to (224, 160): both get (224, 192).
+    assert [tuple(r["bucketed"].shape[-2:]) for r in results] == [(128, 192), (224, 160)]
+    for rank, result in enumerate(results):
+        shared, bucketed = result["shared"], result["bucketed"]
+        assert tuple(shared.shape[-2:]) == (224, 192), rank
+        assert result["batch_input_shapes"] == [(224, 192)] * 2, rank
+        height, width = bucketed.shape[-2:]
+        torch.testing.assert_close(shared[..., :height, :width], bucketed, rtol=0, atol=0)
+        outside = torch.ones(shared.shape[-2:], dtype=torch.bool)
+        outside[:height, :width] = False
+        assert bool((shared[..., outside] == 0).all()), rank  # the preprocessor's pad_value
+        assert bool((bucketed != 0).any()), rank  # the comparison above sees normalised pixels, not zeros
+    assert results[0]["evaluation"] == (128, 192)  # rank 0's own padding: no agreement outside training
+
+
+def test_a_single_process_leaves_the_preprocessor_unwrapped():
+    model = _detector_with_preprocessor(pad_size_divisor=1)
+    ShapeBucketsHook(size_divisor=128).before_train(SimpleNamespace(model=model))
+    assert "forward" not in vars(model.data_preprocessor)
