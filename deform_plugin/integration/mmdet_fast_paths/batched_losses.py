@@ -138,39 +138,39 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     l1_elements = torch.abs(bbox_preds - bbox_targets) * positive.unsqueeze(-1)
     l1_sums = head.loss_bbox.loss_weight * l1_elements.reshape(num_layers, -1).sum(1)
 
-    return _normalised(head, cls_sums, l1_sums, iou_sums, cls_avg, num_pos, box_keeps_dim=_distributed())
+    return _normalised(head, cls_sums, l1_sums, iou_sums, cls_avg, num_pos)
 
 
 def _normalised(head, cls_sums: torch.Tensor, l1_sums: torch.Tensor, iou_sums: torch.Tensor, cls_avg: np.ndarray,
-                num_pos: np.ndarray, box_keeps_dim: bool) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                num_pos: np.ndarray) -> List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per layer ``(loss_cls, loss_bbox, loss_iou)``: each layer's sums divided by its normalisers as stock divides
     them (``cls_avg`` and ``num_pos`` per layer, on the host), in stock's shapes; in distributed training the counts
-    are averaged over ranks in one all-reduce."""
+    are averaged over ranks in one all-reduce. The box losses are 0-dim, as stock's: it divides them by a Python
+    number (in distributed training the ``.item()`` of the averaged count, a host sync that this path does not make).
+    """
     from mmdet.utils import reduce_mean
     num_layers = cls_sums.shape[0]
-    if _distributed():
-        counts = cls_sums.new_tensor(np.stack([cls_avg, num_pos]).astype(np.float64))
-        cls_avg_t, num_pos_t = reduce_mean(counts).clamp(min=1)
-        if not head.sync_cls_avg_factor:
-            cls_avg_t = cls_sums.new_tensor(np.maximum(cls_avg, 1).astype(np.float64))
-        loss_cls = cls_sums / (cls_avg_t + _AVG_FACTOR_EPS)
-        loss_bbox = l1_sums / (num_pos_t + _AVG_FACTOR_EPS)
-        loss_iou = iou_sums / (num_pos_t + _AVG_FACTOR_EPS)
+    distributed = _distributed()
+    if distributed:
+        # One non-blocking copy of every count (new_tensor would wait for the GPU); the same values.
+        counts = torch.from_numpy(np.stack([cls_avg, num_pos, np.maximum(cls_avg, 1)]).astype(np.float64))
+        counts = _to_device_without_blocking(counts.to(cls_sums.dtype), cls_sums.device)
+        cls_mean, pos_mean = reduce_mean(counts[:2]).clamp(min=1)
+        cls_divisor = (cls_mean if head.sync_cls_avg_factor else counts[2]) + _AVG_FACTOR_EPS
+        pos_divisor = pos_mean + _AVG_FACTOR_EPS
     else:
-        cls_divisor = torch.from_numpy(np.maximum(cls_avg, 1).astype(np.float64) + _AVG_FACTOR_EPS)
-        pos_divisor = torch.from_numpy(np.maximum(num_pos, 1).astype(np.float64) + _AVG_FACTOR_EPS)
-        divisors = _to_device_without_blocking(torch.stack([cls_divisor, pos_divisor]).to(cls_sums.dtype),
-                                               cls_sums.device)
-        loss_cls = cls_sums / divisors[0]
-        loss_bbox = l1_sums / divisors[1]
-        loss_iou = iou_sums / divisors[1]
+        host_divisors = torch.from_numpy(np.stack([np.maximum(cls_avg, 1), np.maximum(num_pos, 1)]).astype(np.float64)
+                                         + _AVG_FACTOR_EPS)
+        cls_divisor, pos_divisor = _to_device_without_blocking(host_divisors.to(cls_sums.dtype), cls_sums.device)
+    loss_cls = cls_sums / cls_divisor
+    loss_bbox = l1_sums / pos_divisor
+    loss_iou = iou_sums / pos_divisor
     # Stock shapes: under sync_cls_avg_factor, loss_cls has the shape of its normaliser, a 1-element tensor unless
-    # ``max(normaliser, 1)`` picked the Python 1 (always a tensor in distributed training).
-    cls_keeps_dim = [head.sync_cls_avg_factor and (_distributed() or cls_avg[layer] >= 1)
-                     for layer in range(num_layers)]
+    # ``max(normaliser, 1)`` picked the Python 1 (in distributed training the mean of the ranks' counts is >= 1
+    # unless no rank has a positive; only stock's host sync could tell, so this path keeps the dimension).
+    cls_keeps_dim = [head.sync_cls_avg_factor and (distributed or cls_avg[layer] >= 1) for layer in range(num_layers)]
     return [(loss_cls[layer:layer + 1] if cls_keeps_dim[layer] else loss_cls[layer],
-             loss_bbox[layer:layer + 1] if box_keeps_dim else loss_bbox[layer],
-             loss_iou[layer:layer + 1] if box_keeps_dim else loss_iou[layer]) for layer in range(num_layers)]
+             loss_bbox[layer], loss_iou[layer]) for layer in range(num_layers)]
 
 
 def proposal_matching_groups(head, arguments: dict) -> list:
@@ -286,9 +286,8 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     l1_sums = head.loss_bbox.loss_weight * (torch.abs(bbox_preds - bbox_targets) * bbox_weights).reshape(
         num_layers, -1).sum(1)
 
-    # Stock divides the box losses by a Python float (its .item()), so they are 0-dim in distributed training too.
     per_layer = _normalised(head, cls_sums, l1_sums, iou_sums, np.full(num_layers, cls_avg),
-                            np.full(num_layers, num_pos), box_keeps_dim=False)
+                            np.full(num_layers, num_pos))
     return tuple(list(losses) for losses in zip(*per_layer))
 
 

@@ -5,7 +5,7 @@ the classification normaliser with ``new_tensor([...])`` (a blocking copy to the
 in Python (a copy back), turns the positive count into ``.item()``, and builds each image's size factor with
 ``new_tensor``. Outside distributed training the normalisers are host numbers already (the positive and negative
 counts are list lengths), so this copy computes them on the host; in distributed training they stay device tensors
-(``clamp`` instead of ``max``), averaged over ranks as before. Same losses: the normalisers are integers, exact in
+(``clamp`` instead of ``max``), copied without blocking and averaged over ranks as before. Same losses: the normalisers are integers, exact in
 float32 and float64 alike.
 """
 from __future__ import annotations
@@ -13,11 +13,16 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .matching import image_size_factor
+from .matching import _to_device_without_blocking, image_size_factor
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _host_number_on_device(number, like: torch.Tensor) -> torch.Tensor:
+    """``like.new_tensor([number])`` without waiting for the GPU (a pinned, non-blocking copy); the same value."""
+    return _to_device_without_blocking(torch.tensor([number], dtype=like.dtype), like.device)
 
 
 def detr_loss_by_feat_single_sync_free(self, cls_scores, bbox_preds, batch_gt_instances, batch_img_metas):
@@ -41,7 +46,7 @@ def detr_loss_by_feat_single_sync_free(self, cls_scores, bbox_preds, batch_gt_in
     # the loss takes its shape.
     keeps_dim = self.sync_cls_avg_factor and (_distributed() or cls_avg_factor >= 1)
     if self.sync_cls_avg_factor and _distributed():
-        cls_avg_factor = reduce_mean(cls_scores.new_tensor([cls_avg_factor])).clamp(min=1)
+        cls_avg_factor = reduce_mean(_host_number_on_device(cls_avg_factor, cls_scores)).clamp(min=1)
     else:
         cls_avg_factor = max(cls_avg_factor, 1)
     loss_cls = self.loss_cls(cls_scores, labels, label_weights, avg_factor=cls_avg_factor)
@@ -49,7 +54,8 @@ def detr_loss_by_feat_single_sync_free(self, cls_scores, bbox_preds, batch_gt_in
         loss_cls = loss_cls.reshape(1)
 
     if _distributed():
-        num_total_pos = torch.clamp(reduce_mean(loss_cls.new_tensor([num_total_pos])), min=1)
+        # 0-dim, as stock's Python number (its .item() of the mean, a host sync), so the box losses are 0-dim too.
+        num_total_pos = torch.clamp(reduce_mean(_host_number_on_device(num_total_pos, loss_cls)), min=1)[0]
     else:
         num_total_pos = float(max(num_total_pos, 1))
 
