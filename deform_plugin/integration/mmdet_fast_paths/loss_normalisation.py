@@ -4,9 +4,9 @@ mmdet 3.3.0's ``DETRHead.loss_by_feat_single`` syncs the host with the GPU three
 the classification normaliser with ``new_tensor([...])`` (a blocking copy to the device) and takes ``max(·, 1)`` of it
 in Python (a copy back), turns the positive count into ``.item()``, and builds each image's size factor with
 ``new_tensor``. Outside distributed training the normalisers are host numbers already (the positive and negative
-counts are list lengths), so this copy computes them on the host; in distributed training they stay device tensors
-(``clamp`` instead of ``max``), copied without blocking and averaged over ranks as before. Same losses: the normalisers are integers, exact in
-float32 and float64 alike.
+counts are list lengths), so this copy computes them on the host; in distributed training they are copied to the
+device without blocking and stay device tensors (``clamp`` instead of ``max``), averaged over ranks as before. Same
+losses: the normalisers are integers, exact in float32 and float64 alike.
 """
 from __future__ import annotations
 
