@@ -19,7 +19,7 @@ from typing import List, Optional
 BACKEND_CHOICES = ("stock", "mmcv", "pytorch", "triton", "auto")
 MODE_CHOICES = ("fp32", "fp16", "bf16")
 # 'all' selects the exact ones; 'buckets' (ShapeBucketsHook's training padding) changes the padding, so a row names it.
-EXACT_FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "batched", "forward", "graph")
+EXACT_FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "batched", "forward", "graph", "ffn")
 FAST_PATH_CHOICES = EXACT_FAST_PATH_CHOICES + ("buckets",)
 
 
