@@ -39,17 +39,21 @@ class FastPathsHook(Hook):
         cuda_graphs (bool): the network's training forward and backward replayed from CUDA graphs, per input shape.
         relu_dropout_fusion (bool): mmcv ``FFN``'s ReLU and dropout keep one activation for backward instead of
             three (less memory; the same outputs, random draws and gradients).
+        ffn_recompute (bool): mmcv ``FFN``s without dropout keep only their input and recompute their hidden layer
+            in the backward (less memory for two more matmuls per FFN; the same outputs and gradients).
     """
 
     priority = "VERY_HIGH"
 
     def __init__(self, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
                  batched_matching: bool = False, sync_free_losses: bool = False, sync_free_forward: bool = False,
-                 batched_losses: bool = False, cuda_graphs: bool = False, relu_dropout_fusion: bool = False):
+                 batched_losses: bool = False, cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
+                 ffn_recompute: bool = False):
         self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs),
                              batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses),
                              sync_free_forward=bool(sync_free_forward), batched_losses=bool(batched_losses),
-                             cuda_graphs=bool(cuda_graphs), relu_dropout_fusion=bool(relu_dropout_fusion))
+                             cuda_graphs=bool(cuda_graphs), relu_dropout_fusion=bool(relu_dropout_fusion),
+                             ffn_recompute=bool(ffn_recompute))
 
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths

@@ -124,12 +124,14 @@ def test_replays_give_the_stock_losses_and_gradients_for_other_image_sizes(name)
 def _check_replays_against_stock(name, dtype):
     stock = _detector(name, dtype=dtype)
     fast = copy.deepcopy(stock)
-    # Mask2Former as its fast config runs it: the replayed network feeds the one-pass matching and losses. The
-    # fused ReLU-dropout of Deformable-DETR's twelve FFNs (dropout 0.1) is captured and replayed too.
+    # Mask2Former as its fast config runs it: the replayed network feeds the one-pass matching and losses. The FFN
+    # memory paths are captured and replayed too: Deformable-DETR's twelve FFNs (dropout 0.1) fuse their ReLU and
+    # dropout, DINO's and Mask2Former's (dropout 0) recompute their hidden layers in the backward.
     changed = apply_fast_paths(fast, cuda_graphs=True, batched_matching=name == "mask2former",
-                               relu_dropout_fusion=True)
+                               relu_dropout_fusion=True, ffn_recompute=True)
     assert changed["cuda_graphs"] == 1 and changed["sync_free_forward"] == 1  # the detector or the pixel decoder
     assert changed["relu_dropout_fusion"] == (12 if name == "deformable-detr-two-stage" else 0)
+    assert (changed["ffn_recompute"] > 0) == (name != "deformable-detr-two-stage")
     assert changed.get("batched_matching", 1) == 1
     region = fast.graphed_training_region
     region.__class__ = EmulatedGraphRegion

@@ -14,10 +14,11 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
 - ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs;
 - ``cuda_graphs`` (:mod:`.graphed_training`): their training forward and backward replayed from CUDA graphs, one
   pair per input shape (needs the sync-free forward: turns it on too);
-- ``relu_dropout_fusion`` (:mod:`.relu_dropout`): mmcv ``FFN``'s ReLU and dropout keep one activation for backward
-  instead of three (less training memory).
+- ``relu_dropout_fusion`` and ``ffn_recompute`` (:mod:`.ffn_memory`): mmcv ``FFN``'s ReLU and dropout keep one
+  activation for backward instead of three; FFNs without dropout recompute their hidden layer in the backward
+  (less training memory).
 
-All but the first and the last replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.
+All but the first and the last two replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.
 """
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ from .graphed_training import enable_cuda_graphs
 from .loss_normalisation import enable_sync_free_losses
 from .mask2former_losses import enable_mask2former_batched_matching
 from .matching import enable_batched_matching, enable_hungarian_host_syncs
-from .relu_dropout import enable_relu_dropout_fusion
+from .ffn_memory import enable_ffn_recompute, enable_relu_dropout_fusion
 from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
 from .sync_free_forward import enable_sync_free_forward
 
 # The mmdet release whose private DETRHead methods the copies in this package mirror line for line.
 MIRRORED_MMDET_VERSION = "3.3.0"
 FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses", "sync_free_forward",
-              "batched_losses", "cuda_graphs", "relu_dropout_fusion")
+              "batched_losses", "cuda_graphs", "relu_dropout_fusion",
+              "ffn_recompute")
 
 __all__ = ["FAST_PATHS", "apply_fast_paths", "check_mirrored_mmdet_version", "disable_sdpa_attention",
            "enable_sdpa_attention", "sdpa_multihead_attention_class"]
@@ -56,7 +58,8 @@ def check_mirrored_mmdet_version(switch: str) -> None:
 def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
                      batched_matching: bool = False, sync_free_losses: bool = False,
                      sync_free_forward: bool = False, batched_losses: bool = False,
-                     cuda_graphs: bool = False, relu_dropout_fusion: bool = False) -> Dict[str, int]:
+                     cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
+                     ffn_recompute: bool = False) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
     ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too; ``batched_losses`` builds on
@@ -84,8 +87,11 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
         check_mirrored_mmdet_version("batched_losses")
         changed["batched_losses"] = sum(enable_batched_losses(head) for head in model.modules()
                                         if "loss_by_feat" in vars(head) and hasattr(head, "assigner"))
-    if relu_dropout_fusion:  # before the graphs capture the network
+    # Before the graphs capture the network; the fusion first, so that recomputation takes the FFNs left.
+    if relu_dropout_fusion:
         changed["relu_dropout_fusion"] = enable_relu_dropout_fusion(model)
+    if ffn_recompute:
+        changed["ffn_recompute"] = enable_ffn_recompute(model)
     if cuda_graphs:
         check_mirrored_mmdet_version("cuda_graphs")
         changed["cuda_graphs"] = enable_cuda_graphs(model)

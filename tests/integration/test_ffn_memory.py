@@ -1,5 +1,5 @@
-"""The relu_dropout_fusion fast path: mmcv FFN's ReLU and dropout give the stock outputs, random draws and gradients
-bitwise, and keep one activation for backward instead of three."""
+"""The FFN memory fast paths give stock's outputs, random draws and gradients bitwise: relu_dropout_fusion keeps one
+activation for backward instead of three, ffn_recompute keeps only the FFN's input."""
 import copy
 import sys
 from pathlib import Path
@@ -11,7 +11,8 @@ from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
-from deform_plugin.integration.mmdet_fast_paths.relu_dropout import ReLUDropout, enable_relu_dropout_fusion
+from deform_plugin.integration.mmdet_fast_paths.ffn_memory import (ReLUDropout, enable_ffn_recompute,
+                                                                   enable_relu_dropout_fusion, recomputed_ffn_class)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -128,11 +129,68 @@ def test_relu_dropout_refuses_a_probability_outside_zero_to_one(bad):
         ReLUDropout(bad)
 
 
-@pytest.mark.parametrize("name, expected", [("deformable-detr-two-stage", 12), ("dino", 0)])
-def test_fast_path_switch_reaches_every_drawing_ffn_of_a_detector(name, expected):
-    # Deformable-DETR: six encoder and six decoder FFNs with dropout 0.1; DINO's FFNs have dropout 0 (nothing kept).
+@pytest.mark.parametrize("name, fused, recomputed", [("deformable-detr-two-stage", 12, 0), ("dino", 0, 12)])
+def test_the_switches_reach_every_ffn_of_a_detector_that_they_apply_to(name, fused, recomputed):
+    # Deformable-DETR: six encoder and six decoder FFNs with dropout 0.1 (fused); DINO's have dropout 0 (recomputed).
     from test_mmdet_graphed_training import _detector
     detector = _detector(name, dtype=torch.float32)
     holder = nn.Module()
     holder.detector = detector
-    assert apply_fast_paths(holder, relu_dropout_fusion=True) == {"relu_dropout_fusion": expected}
+    assert apply_fast_paths(holder, relu_dropout_fusion=True, ffn_recompute=True) == {
+        "relu_dropout_fusion": fused, "ffn_recompute": recomputed}
+
+
+# ---- ffn_recompute ------------------------------------------------------------------------------------------------
+
+def _saved_bytes(ffn, x):
+    """Bytes of the activations ``ffn``'s forward keeps for the backward (parameters, which exist anyway, aside)."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ffn(x.clone().requires_grad_())
+    parameters = {p.untyped_storage().data_ptr() for p in ffn.parameters()}
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
+                if t.untyped_storage().data_ptr() not in parameters}.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("num_fcs", [2, 3])
+def test_recomputed_ffn_gives_the_stock_outputs_and_gradients_bitwise(dtype, num_fcs):
+    stock = _ffn(ffn_drop=0.0, dtype=dtype, num_fcs=num_fcs)
+    fast = copy.deepcopy(stock)
+    assert enable_ffn_recompute(fast) == 1 and type(fast) is recomputed_ffn_class()
+    assert list(fast.state_dict()) == list(stock.state_dict())
+    x, grad = _inputs(dtype)
+    _assert_same_step(stock, fast, x, grad)
+    stock.eval()
+    fast.eval()
+    _assert_same_step(stock, fast, x, grad)
+
+
+def test_the_recomputed_ffn_keeps_only_its_input_for_backward():
+    stock = _ffn(ffn_drop=0.0, dtype=torch.bfloat16)
+    fast = copy.deepcopy(stock)
+    enable_ffn_recompute(fast)
+    x, _ = _inputs(torch.bfloat16)
+    assert _saved_bytes(fast, x) == x.untyped_storage().nbytes()
+    # Stock keeps the input and the hidden activation (the ReLU's output, the second Linear's input: 2 bytes).
+    assert _saved_bytes(stock, x) - _saved_bytes(fast, x) == x.shape[0] * x.shape[1] * 64 * 2
+
+
+@pytest.mark.parametrize("fuse_first", [False, True])
+def test_ffns_whose_dropout_draws_are_not_recomputed(fuse_first):
+    ffn = _ffn(ffn_drop=0.3)
+    if fuse_first:
+        assert enable_relu_dropout_fusion(ffn) == 1
+    assert enable_ffn_recompute(ffn) == 0  # recomputing a dropout would need the generator's state restored
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recomputed_ffn_gives_the_stock_outputs_and_gradients_bitwise_on_cuda(dtype):
+    stock = _ffn(ffn_drop=0.0, dtype=dtype).cuda()
+    fast = copy.deepcopy(stock)
+    enable_ffn_recompute(fast)
+    x, grad = _inputs(dtype, "cuda")
+    _assert_same_step(stock, fast, x, grad)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _assert_same_step(stock.float(), fast.float(), x.float(), grad.float())
