@@ -15,10 +15,12 @@
 #   build     mmcv's CUDA ops only (the stock baseline), for the phases after it on the same host; with PACK=1 the
 #             build comes back packed in OUT: copied into .whl, later fresh hosts unpack it in seconds.
 #   sizes     training steps at new and at seen random-resize sizes (tools/benchmark.py --variable-sizes).
+#   memory    the FFN memory switches (relu_dropout_fusion, ffn_recompute) against the same fast step without them:
+#             peak memory and step time of Deformable-DETR and DINO at 800x1333 (tools/benchmark.py), stock beside.
 # It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
 # to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale|profile|build|sizes [OUT]}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale|profile|build|sizes|memory [OUT]}
 out=${2:-${OUT:-bench_results/gpu}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -196,6 +198,16 @@ sizes)
       --variable-sizes 16 --inference-steps 0 --no-progress --out-dir "$results" --name sizes \
       > "$results/sizes.log" 2>&1
   tail -22 "$results/sizes.log"
+  ;;
+memory)
+  wait_for_mmcv
+  exact="optim+sdpa+matching+losses+batched+forward+graph"
+  on_gpu 0 with_full timeout $(left) python3 tools/benchmark.py \
+      configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \
+      configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py \
+      --rows stock:fp32 triton:bf16:$exact triton:bf16:$exact+ffn --warmup 5 --steps 20 --inference-steps 0 \
+      --no-progress --out-dir "$results" --name memory > "$results/memory.log" 2>&1
+  tail -24 "$results/memory.log"
   ;;
 *)
   echo "unknown phase $phase" >&2; exit 2;;
