@@ -5,27 +5,29 @@
 ReLU's output (its backward masks by it), the dropout's mask (bool from CUDA's fused kernel, a noise tensor of the
 input's dtype elsewhere) and the dropout's output (the second Linear's input): 2 + 1 + 2 bytes per hidden element in
 16-bit on CUDA. With Deformable-DETR's dropout of 0.1, 1024 hidden channels and ~44k encoder queries of a batch of
-two 800x1333 images, the first two are ~0.8 GB over the six encoder layers in bf16 (an estimate). The gradient of ``dropout(relu(x))`` is the incoming gradient times
-the dropout's scale where the output is positive and zero elsewhere: the output is positive exactly where the
-dropout kept the element and ``relu(x) > 0`` (scaling a positive number by ``1 / (1 - p) > 1`` cannot round to
-zero, and NaN compares false as ReLU's backward does). So the output, which the next Linear keeps anyway, is all
-the backward needs.
+two 800x1333 images, the first two are ~0.8 GB over the six encoder layers in bf16 (an estimate). The gradient of
+``dropout(relu(x))`` is the incoming gradient times the dropout's scale where the output is positive and zero
+elsewhere: the output is positive exactly where the dropout kept the element and ``relu(x) > 0`` (scaling a positive
+number by ``1 / (1 - p) > 1`` cannot round to zero, and NaN compares false as ReLU's backward does). So the output,
+which the next Linear keeps anyway, is all the backward needs.
 
 The forward calls ``F.relu`` and ``F.dropout`` as the stock modules do: the same output and the same random draws.
-The backward computes the gradient with the operation stock's dropout backward uses, with the kept mask read off
-the output, so it equals the stock backward of the dropout and then the ReLU bitwise (a zero may differ in sign): CUDA's fused
-dropout kernel is differentiated by ``native_dropout_backward`` with the scale in float64, elsewhere dropout is a
-product with a noise tensor of the input's dtype. Dropouts of probability 0 or 1, other activations and eval mode
-are left to the stock modules (nothing to save or nothing to fuse).
+The backward computes the gradient with the operation stock's dropout backward uses, with the kept mask read off the
+output, so it equals the stock backward of the dropout and then the ReLU bitwise (a zero may differ in sign): CUDA's
+fused dropout kernel is differentiated by ``native_dropout_backward`` with the scale in float64, elsewhere dropout
+is a product with a noise tensor of the input's dtype. Dropouts of probability 0 or 1, other activations and eval
+mode are left to the stock modules (nothing to save or nothing to fuse).
 
-``ffn_recompute``: an FFN whose dropouts draw nothing (probability 0: DINO's, Mask2Former's) keeps only its input for
-the backward and recomputes its hidden layer there (``torch.utils.checkpoint``, non-reentrant). Its hidden
+``ffn_recompute``: an FFN whose dropouts draw nothing (probability 0: DINO's, Mask2Former's) keeps only its input
+for the backward and recomputes its hidden layer there (``torch.utils.checkpoint``, non-reentrant). Its hidden
 activation (2048 channels in DINO's encoder: ~1.1 GB over six layers of ~44k queries in bf16, an estimate) is not
 kept; the price is the FFN's two matmuls run again in the backward. The recomputation runs the same kernels on the
 same values, so outputs and gradients are stock's bitwise; with no random draw inside, no generator state needs
 restoring (which a CUDA-graph capture would not allow).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +105,9 @@ def _draws_nothing(module: nn.Module) -> bool:
     return not isinstance(module, ReLUDropout) and not (isinstance(module, nn.Dropout) and module.p > 0)
 
 
-def _make_recomputed_ffn_class():
+@functools.lru_cache(maxsize=None)
+def recomputed_ffn_class():
+    """The recomputing subclass of mmcv's ``FFN`` (made on first use, after mmcv is importable; one class)."""
     from mmcv.cnn.bricks.transformer import FFN
 
     class RecomputedFFN(FFN):
@@ -122,19 +126,8 @@ def _make_recomputed_ffn_class():
                 identity = x
             return identity + self.dropout_layer(out)
 
-    RecomputedFFN.__name__ = RecomputedFFN.__qualname__ = "RecomputedFFN"
+    RecomputedFFN.__qualname__ = "RecomputedFFN"
     return RecomputedFFN
-
-
-_recomputed_ffn_class = None
-
-
-def recomputed_ffn_class():
-    """The recomputing subclass of mmcv's ``FFN`` (created on first use, after mmcv is importable)."""
-    global _recomputed_ffn_class
-    if _recomputed_ffn_class is None:
-        _recomputed_ffn_class = _make_recomputed_ffn_class()
-    return _recomputed_ffn_class
 
 
 def enable_ffn_recompute(model: nn.Module) -> int:
