@@ -101,8 +101,9 @@ def _graphed_regions(model) -> list:
 
 
 def _graphed_training_stats(model=None, regions=None) -> Optional[dict]:
-    """What the graph-replayed training did (captures, their host seconds, eager calls, replays), summed over the
-    model's graphed regions (or the ``regions`` given); None without any."""
+    """What the graph-replayed training did (captures, their host seconds, eager calls, replays, captures made at a
+    shape's first call and those that failed there), summed over the model's graphed regions (or the ``regions``
+    given); None without any."""
     regions = _graphed_regions(model) if regions is None else regions
     if not regions:
         return None
@@ -110,7 +111,9 @@ def _graphed_training_stats(model=None, regions=None) -> Optional[dict]:
                 capture_seconds=sum(region.capture_seconds for region in regions),
                 eager_calls=sum(region.eager_calls for region in regions),
                 replays=sum(region.replays for region in regions),
-                fallbacks=sum(len(region.eager_reasons) for region in regions))
+                fallbacks=sum(len(region.eager_reasons) for region in regions),
+                first_call_captures=sum(region.first_call_captures for region in regions),
+                first_call_capture_failures=sum(len(region.first_call_capture_failures) for region in regions))
 
 
 def compiled_variants_if_loaded() -> Optional[Dict[str, int]]:

@@ -26,7 +26,7 @@ REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
               "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib",
-              "peak_reserved_mib", "graph_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size",
+              "peak_reserved_mib", "graph_captures", "graph_first_call_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size",
               "workers")
 
 
@@ -79,7 +79,7 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
                    all_over_steady=None, compiled_total=None, compiled_after_warmup=None, batch_shapes=None,
                    batch_shapes_after_warmup=None, padded_over_image_pixels=None, peak_allocated_mib=None,
                    peak_reserved_mib=None, speedup=None, amp_dtype=None, graph_captures=None,
-                   graph_capture_seconds=None, graph_fallbacks=None)
+                   graph_capture_seconds=None, graph_fallbacks=None, graph_first_call_captures=None)
     timing = result.get("timing")
     if not timing:
         return metrics
@@ -102,7 +102,8 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
     graphed = timing.get("graphed_training")
     if graphed:
         metrics.update(graph_captures=graphed["captures"], graph_capture_seconds=graphed["capture_seconds"],
-                       graph_fallbacks=graphed.get("fallbacks"))
+                       graph_fallbacks=graphed.get("fallbacks"),
+                       graph_first_call_captures=graphed.get("first_call_captures"))
     if steady and metrics["all_img_s"]:
         metrics["all_over_steady"] = metrics["all_img_s"] / steady
     metrics["split"] = iteration_split(timing.get("per_iteration") or [], windows["all"])
@@ -166,7 +167,7 @@ def markdown(report: dict) -> str:
         f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
         f"| img/s it {whole[0]}-{whole[1]} | img/s it {first[0]}-{first[1]} | {whole[0]}-{whole[1]} / steady "
         f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "
-        f"| graph captures (host s; signatures run eagerly) | padded px / image px | peak MiB allocated (reserved) "
+        f"| graph captures (host s; at a shape's first call; signatures run eagerly) | padded px / image px | peak MiB allocated (reserved) "
         f"| speedup |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
@@ -177,6 +178,7 @@ def markdown(report: dict) -> str:
             f"{m['batch_shapes']} ({_fmt(m['batch_shapes_after_warmup'], 'd')})")
         captures = "-" if m["graph_captures"] is None else (
             f"{m['graph_captures']} ({_fmt(m['graph_capture_seconds'], '.1f')} s"
+            + (f"; {m['graph_first_call_captures']} at first call" if m.get("graph_first_call_captures") else "")
             + (f"; {m['graph_fallbacks']} eager)" if m.get("graph_fallbacks") else ")"))
         memory = "-" if m["peak_allocated_mib"] is None else (
             f"{m['peak_allocated_mib']:.0f} ({_fmt(m.get('peak_reserved_mib'), '.0f')})")

@@ -6,7 +6,9 @@
 #   - FastPathsHook: decoder self-attention through PyTorch SDPA; every decoder layer's Hungarian matching in one
 #     pass with one copy to the host; every decoder layer's losses (and the encoder's) in one batched pass; the
 #     loss normalisers and the forward without host syncs; on CUDA, the network's training forward and backward
-#     replayed from CUDA graphs, one pair per input shape (cuda_graphs; dropout draws other random numbers).
+#     replayed from CUDA graphs, one pair per input shape (cuda_graphs; dropout draws other random numbers); less
+#     activation memory in the FFNs: ReLU and dropout keep one tensor for the backward instead of three
+#     (relu_dropout_fusion), FFNs without dropout recompute their hidden layer in the backward (ffn_recompute).
 #   - ShapeBucketsHook (the one change that is not exact): training batches padded to multiples of 128 px, so
 #     that the random-resize pipeline yields a few dozen input shapes instead of a new one per batch, each
 #     of which costs cuDNN/cuBLAS plan selection (docs/whole_detector.md measures both sides).
@@ -23,5 +25,6 @@ default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
 train_dataloader = dict(pin_memory=True)
 model = dict(data_preprocessor=dict(non_blocking=True))
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
-                     batched_losses=True, sync_free_forward=True, cuda_graphs=True),
+                     batched_losses=True, sync_free_forward=True, cuda_graphs=True, relu_dropout_fusion=True,
+                     ffn_recompute=True),
                 dict(type='ShapeBucketsHook', size_divisor=128)]

@@ -11,5 +11,6 @@ default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
 train_dataloader = dict(pin_memory=True)
 model = dict(data_preprocessor=dict(non_blocking=True))
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
-                     batched_losses=True, sync_free_forward=True, cuda_graphs=True),
+                     batched_losses=True, sync_free_forward=True, cuda_graphs=True, relu_dropout_fusion=True,
+                     ffn_recompute=True),
                 dict(type='ShapeBucketsHook', size_divisor=128)]

@@ -59,5 +59,6 @@ def test_fast_config_selects_everything():
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsOptimWrapperConstructor"
     assert fast_path_switches_from_config(cfg) == dict(sdpa_attention=True, batched_matching=True,
                                                        sync_free_losses=True, sync_free_forward=True,
-                                                       batched_losses=True, cuda_graphs=True)
+                                                       batched_losses=True, cuda_graphs=True,
+                                                       relu_dropout_fusion=True, ffn_recompute=True)
     assert cfg.optim_wrapper.paramwise_cfg == dict(custom_keys={"backbone": dict(lr_mult=0.1)})

@@ -139,9 +139,10 @@ def _check_replays_against_stock(name, dtype):
     loss_tolerance, grad_tolerance = (dict(rtol=1e-10, atol=1e-12), dict(rtol=1e-8, atol=1e-10)) if (
         dtype == torch.float64) else (dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6))
     # Same padded shape, other image sizes: the first call runs the region eagerly (the warm-up), the second
-    # captures, all replay after.
-    for sizes in [((224, 256), (200, 232)), ((160, 256), (224, 128)), ((224, 200), (224, 256))]:
-        inputs, samples = _training_batch(sizes=sizes, seed=len(sizes[0]) + sizes[1][0], dtype=dtype)
+    # captures, all replay after; then another padded shape, captured at its first call.
+    for height, sizes in [(224, ((224, 256), (200, 232))), (224, ((160, 256), (224, 128))),
+                          (224, ((224, 200), (224, 256))), (192, ((192, 256), (150, 200)))]:
+        inputs, samples = _training_batch(height=height, sizes=sizes, seed=len(sizes[0]) + sizes[1][0], dtype=dtype)
         expected, expected_grads = _loss_and_grads(stock, inputs, samples)
         got, got_grads = _loss_and_grads(fast, inputs, samples)
         for key in expected:
@@ -149,7 +150,7 @@ def _check_replays_against_stock(name, dtype):
         for ours, theirs in zip(got_grads, expected_grads):
             if theirs is not None:
                 torch.testing.assert_close(ours, theirs, **grad_tolerance)
-    assert (region.eager_calls, region.replays, len(region.captured)) == (1, 2, 1)
+    assert (region.eager_calls, region.replays, len(region.captured), region.first_call_captures) == (1, 3, 2, 1)
 
 
 # ---- the replay machinery, on a small region ----------------------------------------------------------------------
@@ -179,11 +180,13 @@ def _step(call, x, scale, grad_seed):
     return outputs, constants
 
 
-def test_graphed_region_replays_equal_eager_and_accumulate_gradients():
+@pytest.mark.parametrize("at_first_call", [True, False])
+def test_graphed_region_replays_equal_eager_and_accumulate_gradients(at_first_call):
     torch.manual_seed(0)
     net = _Net().double()
     eager_net = copy.deepcopy(net)
-    region = EmulatedGraphRegion(_small_region(net), net, name="test region")
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region",
+                                 capture_new_shapes_at_first_call=at_first_call)
     eager = _small_region(eager_net)
     generator = torch.Generator().manual_seed(1)
     calls = [(torch.randn(4, 6, generator=generator, dtype=torch.float64),
@@ -205,8 +208,52 @@ def test_graphed_region_replays_equal_eager_and_accumulate_gradients():
             if p.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
     assert net.unused.weight.grad is None and net.frozen.weight.grad is None
-    # Per signature: warm-up eagerly, then capture and replay.
-    assert (region.eager_calls, region.replays, len(region.captured)) == (2, 4, 2)
+    if at_first_call:  # the first signature warms up eagerly; the second shape is captured at its first call
+        assert (region.eager_calls, region.replays, len(region.captured), region.first_call_captures) == (1, 5, 2, 1)
+    else:  # per signature: warm-up eagerly, then capture and replay
+        assert (region.eager_calls, region.replays, len(region.captured), region.first_call_captures) == (2, 4, 2, 0)
+
+
+class _FailingFirstCaptureRegion(EmulatedGraphRegion):
+    """Captures of a signature that has not run eagerly fail (as where a library must run to choose a plan)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eager_shapes = set()
+
+    def _eager(self, inputs):
+        self.eager_shapes.add(tuple(inputs[0].shape))
+        return super()._eager(inputs)
+
+    def capture(self, inputs):
+        if tuple(inputs[0].shape) not in self.eager_shapes:
+            raise ValueError("spatial_shapes is a tensor this op has not validated yet")
+        return super().capture(inputs)
+
+
+def test_a_new_shape_whose_first_capture_fails_warms_up_and_captures_at_its_next_call():
+    net = _Net().double()
+    region = _FailingFirstCaptureRegion(_small_region(net), net, name="test region")
+    for rows in (2, 2, 3, 3, 3):
+        _step(region, torch.randn(rows, 6, dtype=torch.float64), torch.rand(rows, dtype=torch.float64), 0)
+    # rows 2: warm-up, capture; rows 3: the failed capture's call runs eagerly, the next captures, then replays.
+    assert (region.eager_calls, region.replays, len(region.captured)) == (2, 3, 2)
+    assert region.first_call_captures == 0 and not region.eager_reasons
+    assert list(region.first_call_capture_failures.values()) == [
+        "spatial_shapes is a tensor this op has not validated yet"]
+
+
+def test_a_new_kind_of_call_warms_up_eagerly_before_its_capture():
+    # Another dtype or mode compiles other kernels: only a new shape of a warmed-up kind skips the warm-up.
+    net = _Net().double()
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region")
+    for rows in (2, 2):
+        _step(region, torch.randn(rows, 6, dtype=torch.float64), torch.rand(rows, dtype=torch.float64), 0)
+    net.float()
+    _step(region, torch.randn(3, 6), torch.rand(3), 0)
+    assert (region.eager_calls, len(region.captured)) == (2, 1)
+    _step(region, torch.randn(4, 6), torch.rand(4), 0)
+    assert (region.eager_calls, len(region.captured), region.first_call_captures) == (2, 2, 1)
 
 
 def test_inputs_that_require_grad_get_their_gradients_from_the_replay():

@@ -287,18 +287,21 @@ def test_timer_counts_the_fixed_size_pad_of_lsj_configs(tmp_path):
 
 def test_timer_reports_the_graph_captures_of_graphed_training(tmp_path):
     region = SimpleNamespace(captured={"a": 1, "b": 2}, capture_seconds=1.5, eager_calls=3, replays=7,
-                             eager_reasons={"c": "too many"})
+                             eager_reasons={"c": "too many"}, first_call_captures=1,
+                             first_call_capture_failures={"d": "cudnn.benchmark"})
     detector = torch.nn.Linear(2, 2)
     detector.graphed_training_region = region
     model = torch.nn.Sequential(detector)
     result = _timed_batches(tmp_path, model, [[(32, 32)]])
-    assert result["graphed_training"] == dict(captures=2, capture_seconds=1.5, eager_calls=3, replays=7, fallbacks=1)
+    assert result["graphed_training"] == dict(captures=2, capture_seconds=1.5, eager_calls=3, replays=7, fallbacks=1,
+                                              first_call_captures=1, first_call_capture_failures=1)
     assert _timed_batches(tmp_path, torch.nn.Linear(2, 2), [[(32, 32)]])["graphed_training"] is None
 
 
 def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
     from benchmarks.detector.train_report import iteration_split, split_table
-    region = SimpleNamespace(captured={}, capture_seconds=0.0, eager_calls=0, replays=0, eager_reasons={})
+    region = SimpleNamespace(captured={}, capture_seconds=0.0, eager_calls=0, replays=0, eager_reasons={},
+                             first_call_captures=0, first_call_capture_failures={})
     detector = torch.nn.Linear(2, 2)
     detector.graphed_training_region = region
     clock = FakeClock()

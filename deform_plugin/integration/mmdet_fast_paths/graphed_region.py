@@ -6,9 +6,17 @@ one call. :class:`GraphedRegion` wraps a function ``fn(*inputs) -> (outputs, con
 tensors (or None) computed on the device, ``constants`` anything that is the same for every call of one signature
 (for example level tables cached on the host's sizes) — and runs it:
 
-- eagerly the first time a signature is seen: that call is the warm-up (Triton compiles, cuDNN/cuBLAS plans);
+- eagerly the first time a signature is seen: that call is the warm-up (Triton compiles, cuDNN/cuBLAS handles
+  and plans);
 - the second time, it captures the forward and the backward (``torch.autograd.grad`` of the differentiable outputs
   with respect to the trainable parameters) and replays them from then on.
+
+A signature that differs from a warmed-up one only in its input shapes (a new image size in the same dtype and
+mode) is captured at its first call instead: the kernels it runs are compiled already (ours do not recompile for new
+sizes) and the libraries' handles exist, and what is new for the shape (cuDNN's plans) is chosen on the host during
+the capture. That saves the eager warm-up step, the costliest iteration a new shape has. Where such a capture fails
+(a library that must run or synchronise to choose, such as ``cudnn.benchmark``), the call runs eagerly as the
+warm-up and the signature is captured at its next call, as a new kind is.
 
 Inputs that require grad (for example query embeddings looked up outside the region) get their gradients from the
 backward graph too; the others are data (images, sizes, masks).
@@ -23,8 +31,9 @@ region is about that of its largest signature, not the sum. (The caching allocat
 requests on the stream it was allocated on: a fresh capture stream per signature would strand every earlier
 signature's activation memory in the pool.)
 
-A signature falls back to eager (with one log line) when its capture fails (one that runs out of memory is tried
-once more after the allocator's unused cached blocks are released), or beyond ``max_graphs`` signatures.
+A signature falls back to eager (with one log line) when its capture after a warm-up fails (one that runs out of
+memory is tried once more after the allocator's unused cached blocks are released), or beyond ``max_graphs``
+signatures.
 A call made while the previous replay still awaits its backward (a second forward before a backward) runs eagerly
 too.
 """
@@ -122,19 +131,26 @@ class GraphedRegion:
         module: the module whose trainable parameters the backward graph differentiates.
         name: used in log lines.
         max_graphs: signatures captured at most; later new signatures run eagerly.
+        capture_new_shapes_at_first_call: capture a signature that differs from a warmed-up one only in its input
+            shapes at its first call, without an eager warm-up (False: every signature warms up eagerly first).
     """
 
     # Graphs are CUDA graphs; tests emulate them on the CPU with a subclass that sets this to "cpu".
     device_type = "cuda"
 
-    def __init__(self, fn: Callable, module: torch.nn.Module, name: str, max_graphs: int = 64):
+    def __init__(self, fn: Callable, module: torch.nn.Module, name: str, max_graphs: int = 64,
+                 capture_new_shapes_at_first_call: bool = True):
         self.fn = fn
         self.module = module
         self.name = name
         self.max_graphs = max_graphs
+        self.capture_new_shapes_at_first_call = capture_new_shapes_at_first_call
         self.captured: Dict[tuple, _Captured] = {}
         self.calls_seen: Dict[tuple, int] = {}
         self.eager_reasons: Dict[tuple, str] = {}
+        self.warmed_up_kinds: set = set()  # signatures without their shapes that have run eagerly once
+        self.first_call_captures = 0  # signatures captured without a warm-up (benchmarks report them)
+        self.first_call_capture_failures: Dict[tuple, str] = {}  # and those that needed one after all, with why
         self.shared = _SharedBuffers()
         self.param_grad_buffers: Dict[int, torch.Tensor] = {}
         self.pool = None
@@ -156,6 +172,12 @@ class GraphedRegion:
         return tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) for x in inputs) + (
             autocast, self.module.training, trainable)
 
+    @staticmethod
+    def kind(signature: tuple) -> tuple:
+        """The signature without its input shapes: what a warm-up prepares besides per-shape plans."""
+        num_inputs = len(signature) - 3
+        return tuple(entry[1:] for entry in signature[:num_inputs]) + signature[num_inputs:]
+
     def __call__(self, *inputs: torch.Tensor) -> Tuple[Any, Any]:
         if not (torch.is_grad_enabled() and all(x.device.type == self.device_type for x in inputs)):
             return self._eager(inputs)
@@ -166,12 +188,19 @@ class GraphedRegion:
                 return self._eager(inputs)
             seen = self.calls_seen.get(key, 0) + 1
             self.calls_seen[key] = seen
-            if seen == 1:  # the warm-up
+            kind = self.kind(key)
+            first_call_capture = (seen == 1 and self.capture_new_shapes_at_first_call
+                                  and kind in self.warmed_up_kinds)
+            if seen == 1 and not first_call_capture:  # the warm-up
+                self.warmed_up_kinds.add(kind)
                 return self._eager(inputs)
             if len(self.captured) >= self.max_graphs:
                 self._fall_back(key, f"{self.max_graphs} signatures are captured already (max_graphs)")
                 return self._eager(inputs)
-            entry = self._capture_or_fall_back(key, inputs)
+            if first_call_capture:
+                entry = self._capture_without_warm_up(key, inputs)
+            else:
+                entry = self._capture_or_fall_back(key, inputs)
             if entry is None:
                 return self._eager(inputs)
         if self.awaiting_backward is not None and self.awaiting_backward() is not None:
@@ -228,19 +257,40 @@ class GraphedRegion:
         except RuntimeError as error:  # torch.AcceleratorError is one
             self.capture_seconds += time.perf_counter() - started
             reason = str(error).splitlines()[0]
-            if inputs[0].is_cuda:
-                try:
-                    torch.cuda.synchronize(inputs[0].device)
-                    torch.empty(1, device=inputs[0].device).uniform_()
-                except RuntimeError as broken:
-                    raise RuntimeError(f"deform_plugin: the CUDA graph capture of {self.name} failed ({reason}) and "
-                                       f"left CUDA unusable ({str(broken).splitlines()[0]}); turn the cuda_graphs "
-                                       "fast path off for this model") from error
+            self._check_device_usable(inputs[0].device, reason, error)
             self._fall_back(key, f"its capture failed ({reason})")
             return None
         self.capture_seconds += time.perf_counter() - started
         self.captured[key] = entry
         return entry
+
+    def _capture_without_warm_up(self, key, inputs) -> Optional[_Captured]:
+        """A new shape of a warmed-up kind, captured at its first call; None (the caller runs the call eagerly as
+        the shape's warm-up, and the next call captures after it) where the capture fails."""
+        started = time.perf_counter()
+        try:
+            entry = self.capture(inputs)
+        except (RuntimeError, ValueError) as error:  # ValueError: a table an op must read first (level_tables)
+            self.capture_seconds += time.perf_counter() - started
+            self.first_call_capture_failures[key] = str(error).splitlines()[0]
+            self._check_device_usable(inputs[0].device, str(error).splitlines()[0], error)
+            return None
+        self.capture_seconds += time.perf_counter() - started
+        self.captured[key] = entry
+        self.first_call_captures += 1
+        return entry
+
+    def _check_device_usable(self, device: torch.device, reason: str, error: BaseException) -> None:
+        """Raise a clear error where a failed capture left CUDA unusable (the step cannot go on)."""
+        if device.type != "cuda":
+            return
+        try:
+            torch.cuda.synchronize(device)
+            torch.empty(1, device=device).uniform_()
+        except RuntimeError as broken:
+            raise RuntimeError(f"deform_plugin: the CUDA graph capture of {self.name} failed ({reason}) and left "
+                               f"CUDA unusable ({str(broken).splitlines()[0]}); turn the cuda_graphs fast path off "
+                               "for this model") from error
 
     def release_cached_memory(self, device: torch.device) -> None:
         """Return the caching allocator's unused blocks to the driver (after a capture ran out of memory)."""
