@@ -26,7 +26,8 @@ REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
               "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib",
-              "peak_reserved_mib", "graph_captures", "graph_first_call_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size",
+              "peak_reserved_mib", "graph_captures",
+              "graph_first_call_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size",
               "workers")
 
 
@@ -167,7 +168,8 @@ def markdown(report: dict) -> str:
         f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
         f"| img/s it {whole[0]}-{whole[1]} | img/s it {first[0]}-{first[1]} | {whole[0]}-{whole[1]} / steady "
         f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "
-        f"| graph captures (host s; at a shape's first call; signatures run eagerly) | padded px / image px | peak MiB allocated (reserved) "
+        f"| graph captures (host s; at a shape's first call; signatures run eagerly) | padded px / image px "
+        f"| peak MiB allocated (reserved) "
         f"| speedup |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
