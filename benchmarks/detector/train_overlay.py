@@ -19,6 +19,8 @@ from .iteration_timer import validate_windows
 
 TIMER_MODULE = "benchmarks.detector.iteration_timer"
 TIMER_HOOK = "IterationTimerHook"
+PROFILER_MODULE = "benchmarks.detector.step_profiler"
+PROFILER_HOOK = "StepProfilerHook"
 SUPPORTED_DATASET = "CocoDataset"
 NEVER = 10 ** 9  # an interval no benchmark reaches
 SIDES = ("stock", "ours")
@@ -67,6 +69,8 @@ class Settings:
     logger_interval: int = 50
     timeout_s: float = 3600.0
     gpus: int = 1  # >1: each row runs under torch.distributed.run, one process per GPU (DDP)
+    profile_first: Optional[int] = None  # profile iterations profile_first.. (StepProfilerHook), or none
+    profile_steps: int = 3
 
     def windows(self) -> Dict[str, Tuple[int, int]]:
         """The timed windows by name: ``first`` (warm-up included), ``all`` and ``steady``."""
@@ -164,8 +168,15 @@ def timer_hook(row: Row, settings: Settings, timing_file: Path) -> dict:
                 expect_plugin=not row.stock, label=row.label)
 
 
-def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings, timing_file: Path) -> dict:
-    """The top-level keys the overlay config sets on top of ``base_cfg`` (the user's config) for ``row``."""
+def profiler_hook(settings: Settings, profile_dir: Path) -> dict:
+    return dict(type=PROFILER_HOOK, first=settings.profile_first, steps=settings.profile_steps,
+                out_dir=str(profile_dir))
+
+
+def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings, timing_file: Path,
+                     profile_dir: Optional[Path] = None) -> dict:
+    """The top-level keys the overlay config sets on top of ``base_cfg`` (the user's config) for ``row``; with
+    ``settings.profile_first``, a step profile of the row goes to ``profile_dir``."""
     base = base_cfg.to_dict()
 
     def replacing(key_exists: bool, value: dict) -> dict:
@@ -215,8 +226,13 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
         if runtime_info.get("type") in PLUGIN_TYPE_BASES:
             overlay["default_hooks"]["runtime_info"] = dict(
                 _delete_=True, **dict(runtime_info, type=PLUGIN_TYPE_BASES[runtime_info["type"]]))
-    overlay["custom_imports"] = dict(imports=imports + [TIMER_MODULE], allow_failed_imports=False)
-    overlay["custom_hooks"] = hooks + [timer_hook(row, settings, timing_file)]
+    imports, hooks = imports + [TIMER_MODULE], hooks + [timer_hook(row, settings, timing_file)]
+    if settings.profile_first is not None:
+        if profile_dir is None:
+            raise ValueError("settings.profile_first needs a profile_dir")
+        imports, hooks = imports + [PROFILER_MODULE], hooks + [profiler_hook(settings, profile_dir)]
+    overlay["custom_imports"] = dict(imports=imports, allow_failed_imports=False)
+    overlay["custom_hooks"] = hooks
     return overlay
 
 

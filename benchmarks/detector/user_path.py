@@ -117,8 +117,9 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     log_path = out_dir / "logs" / f"{name}.log"
     for folder in (timing_file.parent, work_dir, overlay_path.parent, log_path.parent, out_dir / "configs"):
         folder.mkdir(parents=True, exist_ok=True)
+    profile_dir = out_dir / "profiles" / name
     overlay_path.write_text(render_overlay(config_path, overlay_settings(base_cfg, row, source, settings,
-                                                                         timing_file), row))
+                                                                         timing_file, profile_dir), row))
     shutil.copy(overlay_path, out_dir / "configs" / overlay_path.name)  # kept for reruns by hand
     command = row_command(row, overlay_path, work_dir, settings.gpus)
     result = dict(config=str(config_path), row=row.label, command=command, log=str(log_path), status="failed",
@@ -198,7 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-work-dirs", action="store_true", help="keep the rows' mmengine work dirs")
     parser.add_argument("--gpus", type=int, default=1,
                         help="GPUs per row: >1 runs each row with DDP, one process per GPU (--batch-size per GPU)")
+    parser.add_argument("--profile", type=parse_profile_window, default=None, metavar="FIRST:STEPS",
+                        help="profile STEPS iterations from iteration FIRST on every rank (torch.profiler tables "
+                             "and a Chrome trace per rank in OUT_DIR/profiles/; profiled iterations run slower)")
     return parser
+
+
+def parse_profile_window(text: str) -> Tuple[int, int]:
+    """``FIRST:STEPS`` as two positive ints; an argparse error names the bad text."""
+    try:
+        first, steps = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--profile {text!r} is not FIRST:STEPS (two ints)")
+    if first < 1 or steps < 1:
+        raise argparse.ArgumentTypeError(f"--profile {text!r}: FIRST and STEPS must be >= 1")
+    return first, steps
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -206,11 +221,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     settings = Settings(iters=args.iters, batch_size=args.batch_size, workers=args.workers,
                         first_iters=args.first_iters, steady_start=args.steady_start,
-                        logger_interval=args.logger_interval, timeout_s=args.timeout, gpus=args.gpus)
+                        logger_interval=args.logger_interval, timeout_s=args.timeout, gpus=args.gpus,
+                        profile_first=args.profile[0] if args.profile else None,
+                        profile_steps=args.profile[1] if args.profile else 3)
     try:
         settings.windows()
     except ValueError as error:
         raise SystemExit(f"--iters/--first-iters/--steady-start: {error}")
+    if args.profile and sum(args.profile) - 1 > args.iters:
+        raise SystemExit(f"--profile {args.profile[0]}:{args.profile[1]} ends after --iters {args.iters}")
     source = ensure_coco_source(args.data_cache, args.images, args.seed)
     out_dir = args.out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -419,3 +419,51 @@ def test_the_table_shows_reserved_memory_and_signatures_that_ran_eagerly():
     assert "| 9 (1.6 s; 7 eager) |" in table_row and "| 9681 (61234) |" in table_row
     row.update(graph_fallbacks=0)
     assert "| 9 (1.6 s) |" in train_report.markdown(report).splitlines()[-1]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The steady-state step profile
+# ---------------------------------------------------------------------------------------------------------------------
+
+def test_a_profile_window_adds_the_step_profiler_to_the_overlay(tmp_path, source):
+    settings = user_path.Settings(iters=200, profile_first=151, profile_steps=3)
+    row = user_path.parse_row("ours:bf16")
+    base = user_path.read_base_config(FAST_DDETR)
+    with pytest.raises(ValueError, match="profile_dir"):
+        user_path.overlay_settings(base, row, source, settings, tmp_path / "t.json")
+    overlay = user_path.overlay_settings(base, row, source, settings, tmp_path / "t.json", tmp_path / "profiles")
+    assert overlay["custom_imports"]["imports"][-1] == train_overlay.PROFILER_MODULE
+    assert overlay["custom_hooks"][-1] == dict(type=train_overlay.PROFILER_HOOK, first=151, steps=3,
+                                               out_dir=str(tmp_path / "profiles"))
+    unprofiled = user_path.overlay_settings(base, row, source, user_path.Settings(), tmp_path / "t.json")
+    assert train_overlay.PROFILER_MODULE not in unprofiled["custom_imports"]["imports"]
+
+
+@pytest.mark.parametrize("text", ["151", "a:3", "0:3", "151:0", "1:2:3"])
+def test_a_bad_profile_window_is_refused_with_its_text(text):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError, match=text):
+        user_path.parse_profile_window(text)
+
+
+def test_the_step_profiler_profiles_only_its_iterations(tmp_path):
+    import gzip
+
+    from benchmarks.detector.step_profiler import StepProfilerHook
+    with pytest.raises(ValueError, match="first=0"):
+        StepProfilerHook(first=0)
+    hook = StepProfilerHook(first=3, steps=2, out_dir=str(tmp_path / "p"))
+    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path))
+    x = torch.randn(32, 32)
+    for index in range(6):
+        runner.iter = index
+        hook.before_train_iter(runner, index)
+        # Each iteration its own op: the tables must hold exactly those of iterations 3 and 4.
+        (torch.mm, torch.add, torch.sub, torch.mul, torch.div, torch.maximum)[index](x, x)
+        hook.after_train_iter(runner, index)
+    text = (tmp_path / "p" / "profile_rank0.txt").read_text()
+    assert text.startswith("rank 0: iterations 3-4,")
+    assert "aten::sub" in text and "aten::mul" in text
+    assert not any(op in text for op in ("aten::mm", "aten::add", "aten::div", "aten::maximum"))
+    trace = json.loads(gzip.open(tmp_path / "p" / "trace_rank0.json.gz").read())
+    assert any(event.get("name") == "aten::sub" for event in trace["traceEvents"])
