@@ -422,13 +422,13 @@ def _ddp_batch(rank, step):
             torch.rand(rows, generator=generator, dtype=torch.float64))
 
 
-def _ddp_worker(rank, out_dir):
+def _ddp_worker(rank, out_dir, ddp_options):
     from torch.nn.parallel import DistributedDataParallel
     torch.manual_seed(0)
     net = _Net().double()
     net.unused.requires_grad_(False)  # DDP (without find_unused_parameters) wants a gradient for the rest
     caller = _RegionCaller(net)
-    model = DistributedDataParallel(caller)
+    model = DistributedDataParallel(caller, **ddp_options)
     grads = []
     for step in range(4):  # warm-up, capture, replays
         model.zero_grad(set_to_none=True)
@@ -438,11 +438,14 @@ def _ddp_worker(rank, out_dir):
                out_dir / f"rank{rank}.pt")
 
 
-def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path):
+# The second: the wrapper settings of the fast DETR configs (model_wrapper_cfg), gradients as views of the buckets.
+@pytest.mark.parametrize("ddp_options", [{}, dict(broadcast_buffers=False, gradient_as_bucket_view=True,
+                                                  static_graph=True)], ids=["default", "fast-config"])
+def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path, ddp_options):
     # DistributedDataParallel reduces a parameter's gradient when autograd accumulates it: the replay's backward
     # hands the parameters their gradients through the same accumulators, so ranks that replay (or run eagerly)
     # end with the mean of every rank's gradients.
-    run_gloo_ranks(_ddp_worker, tmp_path)
+    run_gloo_ranks(_ddp_worker, tmp_path, ddp_options)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     assert [(r["eager_calls"], r["replays"]) for r in ranks] == [(1, 3), (1, 3)]
     torch.manual_seed(0)
