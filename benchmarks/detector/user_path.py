@@ -17,7 +17,9 @@ user's config (``_base_`` = its absolute path) and changes only what a benchmark
   an epoch, and restart the loader, every few dozen iterations, which a real COCO epoch does not);
 - an ``IterBasedTrainLoop`` of ``iters`` iterations; no validation, test or checkpoint; no pretrained download
   (every ``init_cfg`` of type ``Pretrained`` dropped); ``load_from=None``; seed 0;
-- :class:`benchmarks.detector.iteration_timer.IterationTimerHook` added to the config's own custom hooks.
+- :class:`benchmarks.detector.iteration_timer.IterationTimerHook` added to the config's own custom hooks, and with
+  ``--profile FIRST:STEPS`` :class:`benchmarks.detector.step_profiler.StepProfilerHook` (per-rank profiles of those
+  iterations in ``OUT_DIR/profiles/<row>/``).
 
 Rows run one after another on the same device; a row that fails is reported with the tail of its log.
 """
