@@ -437,6 +437,76 @@ def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monke
     assert fast_head.losses_ahead == {}  # nothing outlives the step
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_focal_loss_elements_are_mmdets_focal_loss(dtype):
+    # On the CPU mmdet's FocalLoss runs its own formula (binary cross-entropy with logits times the focal weight);
+    # ours is mmcv's CUDA kernel's (log of the clamped sigmoid): the same function, equal to rounding. In float32
+    # the kernel's log(1 - sigmoid(x)) loses digits for large logits (stock's CUDA values do too): float64 checks
+    # the formula over a wide range, float32 at the logits of a training step.
+    from mmdet.models.losses import FocalLoss
+
+    from deform_plugin.integration.mmdet_fast_paths.batched_losses import focal_loss_elements
+    loss_cls = FocalLoss(use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=2.0)
+    generator = torch.Generator().manual_seed(0)
+    scale = 4.0 if dtype == torch.float64 else 1.0
+    scores = (torch.randn(40, 7, generator=generator, dtype=dtype) * scale).requires_grad_()
+    labels = torch.randint(0, 8, (40,), generator=generator)  # 7: background
+    weights = torch.rand(40, generator=generator, dtype=dtype)
+    upstream = torch.randn(40, 7, generator=generator, dtype=dtype)
+    ours = focal_loss_elements(loss_cls, scores, labels, weights)
+    theirs = loss_cls(scores, labels, weights, reduction_override="none")
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(ours, theirs, **tolerance)
+    ours_grad, = torch.autograd.grad((ours * upstream).sum(), scores)
+    theirs_grad, = torch.autograd.grad((theirs * upstream).sum(), scores)
+    torch.testing.assert_close(ours_grad, theirs_grad, **tolerance)
+
+
+def test_batched_focal_loss_elements_read_nothing_on_the_host():
+    # Meta tensors hold no values: any host read of the labels or scores (mmcv's CUDA launcher reads target.max())
+    # raises here; the CUDA test below counts real syncs.
+    from mmdet.models.losses import FocalLoss
+
+    from deform_plugin.integration.mmdet_fast_paths.batched_losses import focal_loss_elements
+    loss_cls = FocalLoss(use_sigmoid=True, gamma=2.0, alpha=0.25, loss_weight=2.0)
+    scores = torch.empty(40, 7, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    out = focal_loss_elements(loss_cls, scores, torch.empty(40, dtype=torch.long, device="meta"),
+                              torch.empty(40, device="meta"))
+    assert out.shape == (40, 7) and out.dtype == torch.float32  # bf16 scores in float32, as mmcv takes them
+    grad, = torch.autograd.grad(out.sum(), scores)
+    assert grad.shape == (40, 7) and grad.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+def test_fast_detr_losses_wait_for_the_gpu_once_on_cuda(kind):
+    import warnings
+    stock_head = _detr_head(kind).cuda()
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.bbox_head = fast_head
+    apply_fast_paths(holder, sync_free_losses=True, batched_losses=True)
+    inputs = _loss_inputs(kind, (3, 5))
+    inputs = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
+    for gt in inputs["batch_gt_instances"]:
+        gt.bboxes, gt.labels = gt.bboxes.cuda(), gt.labels.cuda()
+    syncs = []
+    for head in (stock_head, fast_head):
+        _losses_and_gradients(head, inputs)  # warm-up
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _losses_and_gradients(head, inputs)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    # Stock: per layer and image the cost copy, the nonzero() calls, mmcv's focal loss reading target.max(); ours:
+    # the one copy of every cost matrix (the focal loss without mmcv's read).
+    assert syncs[0] >= 3 * 2 * 3 and syncs[1] == 1, syncs
+
+
 @pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
 def test_fast_detr_losses_wait_for_the_gpu_once(kind):
     """The calls of a head's loss and backward that would block the host on a GPU (recorded on the CPU): stock's

@@ -8,9 +8,10 @@ targets of every layer are gathers from one padded table of each image's gt boxe
 over every layer's queries followed by one sum per layer: a few dozen operations for all layers together.
 
 Same losses as the stock per-layer calls up to float summation order: each element is computed by the same
-formula (mmdet's focal loss with ``reduction='none'``, ``giou_loss`` (its ``eps`` filled on the device, as in
-:func:`.matching.bbox_overlaps_without_sync`), ``|pred - target|``), only the per-layer sums
-run over a ``(layers, ...)`` view, and the normalisers are the same integers (``sync_free_losses``'s host-side
+formula (mmdet's focal loss with ``reduction='none'``, on the math of mmcv's CUDA kernel without the kernel
+launcher's host read of ``target.max()``: :func:`focal_loss_elements`; ``giou_loss`` (its ``eps`` filled on the
+device, as in :func:`.matching.bbox_overlaps_without_sync`), ``|pred - target|``), only the per-layer sums run over
+a ``(layers, ...)`` view, and the normalisers are the same integers (``sync_free_losses``'s host-side
 rule; in distributed training one all-reduce for every layer's counts instead of two per layer). The GIoU and L1
 loss modules' ``torch.any(weight > 0)`` host syncs are not taken: with no positive in a layer both sums are zero,
 as stock returns.
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..mmcv_lite import sigmoid_focal_loss_backward, sigmoid_focal_loss_forward
 from .matching import _prediction_key, _to_device_without_blocking, bbox_overlaps_without_sync, image_size_factor
 
 # mmdet's weight_reduce_loss divides by (avg_factor + this) whatever the dtype.
@@ -54,6 +56,43 @@ def batchable_head(head) -> bool:
             and type(getattr(head, "loss_iou", None)) is GIoULoss
             and getattr(loss_cls, "reduction", "mean") == "mean"
             and head.loss_bbox.reduction == "mean" and head.loss_iou.reduction == "mean")
+
+
+class _SigmoidFocalLossElements(torch.autograd.Function):
+    """mmcv's ``SigmoidFocalLossFunction`` with ``reduction='none'`` and no class weight, computed by the kernel's
+    formula in tensor operations (deform_plugin's mmcv-lite stand-in of ``sigmoid_focal_loss_forward`` and
+    ``_backward``): mmcv's CUDA launcher reads ``target.max()`` on the host to check the labels, a sync per call
+    that under DDP waits for the other rank (it comes after the loss normalisers' all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, labels: torch.Tensor, gamma: float, alpha: float) -> torch.Tensor:
+        output = torch.empty_like(scores)
+        sigmoid_focal_loss_forward(scores, labels, scores.new_empty(0), output, gamma=gamma, alpha=alpha)
+        ctx.save_for_backward(scores, labels)
+        ctx.gamma, ctx.alpha = gamma, alpha
+        return output
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        scores, labels = ctx.saved_tensors
+        grad_scores = torch.empty_like(scores)
+        sigmoid_focal_loss_backward(scores, labels, scores.new_empty(0), grad_scores, gamma=ctx.gamma, alpha=ctx.alpha)
+        return grad_scores * grad, None, None, None
+
+
+def focal_loss_elements(loss_cls, scores: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``loss_cls(scores, labels, weights, reduction_override='none')`` of mmdet's sigmoid ``FocalLoss`` (labels
+    ``(N,)``, ``num_classes`` for background; weights ``(N,)``) without a host read: on CUDA mmdet calls mmcv's
+    compiled kernel, whose formula this computes; bf16 scores in float32 as deform_plugin's focal-loss patch passes
+    them to that kernel (it has no bf16 version)."""
+    # The labels need no check here: they are the gts' labels (or background), with which the matching pass has
+    # already indexed the class scores (an out-of-range label fails there, in stock's path too).
+    if scores.dtype == torch.bfloat16:
+        scores = scores.float()
+    elements = _SigmoidFocalLossElements.apply(scores.contiguous(), labels.long().contiguous(),
+                                               float(loss_cls.gamma), float(loss_cls.alpha))
+    return loss_cls.loss_weight * (elements * weights.view(-1, 1))
 
 
 def _padded_targets(batch_gt_instances, factors: torch.Tensor, num_classes: int):
@@ -124,7 +163,7 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     cls_avg = num_pos * 1.0 + num_neg * head.bg_cls_weight
     flat_scores = scores.reshape(-1, num_classes)
     label_weights = flat_scores.new_ones(flat_scores.shape[0], dtype=gt_dtype)
-    cls_elements = head.loss_cls(flat_scores, labels.reshape(-1), label_weights, reduction_override="none")
+    cls_elements = focal_loss_elements(head.loss_cls, flat_scores, labels.reshape(-1), label_weights)
     cls_sums = cls_elements.reshape(num_layers, -1).sum(1)
 
     # Boxes: stock's pixel-space GIoU and normalized L1, each element as loss_by_feat_single computes it.
@@ -271,8 +310,8 @@ def denoising_layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor,
     bbox_weights = torch.cat(bbox_weights_list, 0).view(batch, num_queries, 4)
 
     cls_avg = num_pos * 1.0 + num_neg * head.bg_cls_weight
-    cls_elements = head.loss_cls(scores.reshape(-1, num_classes), labels.repeat(num_layers),
-                                 label_weights.repeat(num_layers), reduction_override="none")
+    cls_elements = focal_loss_elements(head.loss_cls, scores.reshape(-1, num_classes), labels.repeat(num_layers),
+                                       label_weights.repeat(num_layers))
     cls_sums = cls_elements.reshape(num_layers, -1).sum(1)
 
     image_factors = _image_factors(batch_img_metas, bbox_preds)[None, :, None]  # (1, B, 1, 4)
