@@ -477,6 +477,37 @@ def test_batched_focal_loss_elements_read_nothing_on_the_host():
     assert grad.shape == (40, 7) and grad.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+def test_fast_detr_losses_assign_no_python_scalar_by_index(kind):
+    # `x[index] = 1.0` on a CUDA tensor copies the scalar to the device with a blocking copy in torch <= 2.11 (the
+    # GPU hosts' torch): one host sync per call, which the CUDA count below found per image in DINO's denoising
+    # targets. On the CPU the pattern is visible as an index_put_ whose value is a 0-dim tensor.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarIndexPuts(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._schema.name in ("aten::index_put_", "aten::index_put", "aten::_index_put_impl_"):
+                self.calls += isinstance(args[2], torch.Tensor) and args[2].dim() == 0
+            return func(*args, **(kwargs or {}))
+
+    stock_head = _detr_head(kind)
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.bbox_head = fast_head
+    apply_fast_paths(holder, sync_free_losses=True, batched_losses=True)
+    inputs = _loss_inputs(kind, (3, 5))
+    counts = []
+    for head in (stock_head, fast_head):
+        with ScalarIndexPuts() as spy:
+            _losses_and_gradients(head, inputs)
+        counts.append(spy.calls)
+    assert counts[0] > 0 and counts[1] == 0, counts  # stock's targets set their box weights so, per image
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
 @pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
 def test_fast_detr_losses_wait_for_the_gpu_once_on_cuda(kind):

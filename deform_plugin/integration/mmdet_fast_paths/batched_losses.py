@@ -361,7 +361,9 @@ def _denoising_targets_single(head, gt_instances, img_meta, dn_meta):
     label_weights = gt_bboxes.new_ones(num_denoising_queries)
     bbox_targets = torch.zeros(num_denoising_queries, 4, device=device)
     bbox_weights = torch.zeros(num_denoising_queries, 4, device=device)
-    bbox_weights[pos_inds] = 1.0
+    # index_fill_, not `bbox_weights[pos_inds] = 1.0`: torch <= 2.11 copies that Python scalar to the GPU with a
+    # blocking copy (a host sync per image); the same rows are set.
+    bbox_weights.index_fill_(0, pos_inds, 1.0)
     factor = image_size_factor(img_meta, gt_bboxes)
     bbox_targets[pos_inds] = bbox_xyxy_to_cxcywh(gt_bboxes / factor).repeat([num_groups, 1])
     return labels, label_weights, bbox_targets, bbox_weights, pos_inds, neg_inds

@@ -221,7 +221,9 @@ def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, i
     label_weights = gt_bboxes.new_ones(num_bboxes)
     bbox_targets = torch.zeros_like(bbox_pred, dtype=gt_bboxes.dtype)
     bbox_weights = torch.zeros_like(bbox_pred, dtype=gt_bboxes.dtype)
-    bbox_weights[pos_inds] = 1.0
+    # index_fill_, not `bbox_weights[pos_inds] = 1.0`: torch <= 2.11 copies that Python scalar to the GPU with a
+    # blocking copy (a host sync per image); the same rows are set.
+    bbox_weights.index_fill_(0, pos_inds, 1.0)
     bbox_targets[pos_inds] = bbox_xyxy_to_cxcywh(pos_gt_bboxes / factor)
     return labels, label_weights, bbox_targets, bbox_weights, pos_inds, neg_inds
 
