@@ -477,6 +477,31 @@ def test_batched_focal_loss_elements_read_nothing_on_the_host():
     assert grad.shape == (40, 7) and grad.dtype == torch.bfloat16
 
 
+def _cuda_syncs_of(work) -> int:
+    """How many host syncs ``work()`` makes on CUDA (after a warm-up call), counted by the sync debug mode."""
+    import warnings
+    work()  # warm-up
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            work()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def _stock_and_batched_heads(kind, device="cpu"):
+    """A DETR head and its copy with the sync-free, batched losses (and the matching they build on)."""
+    stock_head = _detr_head(kind).to(device)
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.bbox_head = fast_head
+    apply_fast_paths(holder, sync_free_losses=True, batched_losses=True)
+    return stock_head, fast_head
+
+
 @pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
 def test_fast_detr_losses_assign_no_python_scalar_by_index(kind):
     # `x[index] = 1.0` on a CUDA tensor copies the scalar to the device with a blocking copy in torch <= 2.11 (the
@@ -494,11 +519,7 @@ def test_fast_detr_losses_assign_no_python_scalar_by_index(kind):
                 self.calls += isinstance(args[2], torch.Tensor) and args[2].dim() == 0
             return func(*args, **(kwargs or {}))
 
-    stock_head = _detr_head(kind)
-    fast_head = copy.deepcopy(stock_head)
-    holder = nn.Module()
-    holder.bbox_head = fast_head
-    apply_fast_paths(holder, sync_free_losses=True, batched_losses=True)
+    stock_head, fast_head = _stock_and_batched_heads(kind)
     inputs = _loss_inputs(kind, (3, 5))
     counts = []
     for head in (stock_head, fast_head):
@@ -511,28 +532,12 @@ def test_fast_detr_losses_assign_no_python_scalar_by_index(kind):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
 @pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
 def test_fast_detr_losses_wait_for_the_gpu_once_on_cuda(kind):
-    import warnings
-    stock_head = _detr_head(kind).cuda()
-    fast_head = copy.deepcopy(stock_head)
-    holder = nn.Module()
-    holder.bbox_head = fast_head
-    apply_fast_paths(holder, sync_free_losses=True, batched_losses=True)
+    stock_head, fast_head = _stock_and_batched_heads(kind, device="cuda")
     inputs = _loss_inputs(kind, (3, 5))
     inputs = {name: value.cuda() if isinstance(value, torch.Tensor) else value for name, value in inputs.items()}
     for gt in inputs["batch_gt_instances"]:
         gt.bboxes, gt.labels = gt.bboxes.cuda(), gt.labels.cuda()
-    syncs = []
-    for head in (stock_head, fast_head):
-        _losses_and_gradients(head, inputs)  # warm-up
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                _losses_and_gradients(head, inputs)
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+    syncs = [_cuda_syncs_of(lambda: _losses_and_gradients(head, inputs)) for head in (stock_head, fast_head)]
     # Stock: per layer and image the cost copy, the nonzero() calls, mmcv's focal loss reading target.max(); ours:
     # the one copy of every cost matrix (the focal loss without mmcv's read).
     assert syncs[0] >= 3 * 2 * 3 and syncs[1] == 1, syncs
@@ -543,11 +548,7 @@ def test_fast_detr_losses_wait_for_the_gpu_once(kind):
     """The calls of a head's loss and backward that would block the host on a GPU (recorded on the CPU): stock's
     per-layer matching and targets make dozens; the fast paths leave the one copy of every cost matrix."""
     from host_transfers import HostTransferSpy
-    stock_head = _detr_head(kind)
-    fast_head = copy.deepcopy(stock_head)
-    holder = nn.Module()
-    holder.bbox_head = fast_head
-    apply_fast_paths(holder, sync_free_losses=True, batched_losses=True)
+    stock_head, fast_head = _stock_and_batched_heads(kind)
     inputs = _loss_inputs(kind, (3, 5))
     recorded = []
     for head in (stock_head, fast_head):
@@ -692,7 +693,6 @@ def test_mask2former_cost_matrices_of_every_layer_at_once_are_mmdets(naive_dice)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
 def test_mask2former_one_pass_losses_wait_for_the_gpu_once():
-    import warnings
     stock_head = _mask2former_head().cuda()
     fast_head = copy.deepcopy(stock_head)
     holder = nn.Module()
@@ -702,20 +702,12 @@ def test_mask2former_one_pass_losses_wait_for_the_gpu_once():
     cls_scores, mask_preds = [t.cuda() for t in cls_scores], [t.cuda() for t in mask_preds]
     for gt in gts:
         gt.labels, gt.masks = gt.labels.cuda(), gt.masks.cuda()
-    syncs = []
-    for head in (stock_head, fast_head):
+    def loss_and_backward(head):
         leaves = [t.clone().requires_grad_() for t in cls_scores + mask_preds]
-        head.loss_by_feat(leaves[:4], leaves[4:], gts, metas)  # warm-up
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                losses = head.loss_by_feat(leaves[:4], leaves[4:], gts, metas)
-                sum(value.sum() for value in losses.values()).backward()
-            finally:
-                torch.cuda.set_sync_debug_mode(0)
-        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        losses = head.loss_by_feat(leaves[:4], leaves[4:], gts, metas)
+        sum(value.sum() for value in losses.values()).backward()
+
+    syncs = [_cuda_syncs_of(lambda: loss_and_backward(head)) for head in (stock_head, fast_head)]
     # Stock: per (layer, image) the cost copy and the sampler's nonzero calls, per layer more; ours: the one copy
     # of every cost matrix to the host.
     assert syncs[0] >= 4 * 2 * 3 and syncs[1] == 1, syncs

@@ -38,8 +38,7 @@ from .sync_free_forward import enable_sync_free_forward
 # The mmdet release whose private DETRHead methods the copies in this package mirror line for line.
 MIRRORED_MMDET_VERSION = "3.3.0"
 FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses", "sync_free_forward",
-              "batched_losses", "cuda_graphs", "relu_dropout_fusion",
-              "ffn_recompute")
+              "batched_losses", "cuda_graphs", "relu_dropout_fusion", "ffn_recompute")
 
 __all__ = ["FAST_PATHS", "apply_fast_paths", "check_mirrored_mmdet_version", "disable_sdpa_attention",
            "enable_sdpa_attention", "sdpa_multihead_attention_class"]

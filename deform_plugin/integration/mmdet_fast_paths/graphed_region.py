@@ -197,10 +197,7 @@ class GraphedRegion:
             if len(self.captured) >= self.max_graphs:
                 self._fall_back(key, f"{self.max_graphs} signatures are captured already (max_graphs)")
                 return self._eager(inputs)
-            if first_call_capture:
-                entry = self._capture_without_warm_up(key, inputs)
-            else:
-                entry = self._capture_or_fall_back(key, inputs)
+            entry = self._capture_or_fall_back(key, inputs, warmed_up=not first_call_capture)
             if entry is None:
                 return self._eager(inputs)
         if self.awaiting_backward is not None and self.awaiting_backward() is not None:
@@ -244,40 +241,34 @@ class GraphedRegion:
         return grads[:len(entry.static_input_grads)], grads[len(entry.static_input_grads):]
 
     # -- capture ----------------------------------------------------------------------------------------------------
-    def _capture_or_fall_back(self, key, inputs) -> Optional[_Captured]:
+    def _capture_or_fall_back(self, key, inputs, warmed_up: bool = True) -> Optional[_Captured]:
+        """Capture ``key``'s signature; None where that fails. A signature that has warmed up then runs eagerly for
+        good (one log line); one captured at its first call (``warmed_up=False``) runs this call eagerly as its
+        warm-up and captures at the next."""
         started = time.perf_counter()
         try:
             try:
                 entry = self.capture(inputs)
             except torch.OutOfMemoryError:
+                if not warmed_up:
+                    raise
                 # The eager steps' allocator may cache most of the card in blocks the graph pool cannot use: give
                 # them back to the driver and try once more before this signature runs eagerly for good.
                 self.release_cached_memory(inputs[0].device)
                 entry = self.capture(inputs)
-        except RuntimeError as error:  # torch.AcceleratorError is one
+        except (RuntimeError, ValueError) as error:  # torch.AcceleratorError is one; ValueError: level_tables'
             self.capture_seconds += time.perf_counter() - started
             reason = str(error).splitlines()[0]
             self._check_device_usable(inputs[0].device, reason, error)
-            self._fall_back(key, f"its capture failed ({reason})")
+            if warmed_up:
+                self._fall_back(key, f"its capture failed ({reason})")
+            else:
+                self.first_call_capture_failures[key] = reason
             return None
         self.capture_seconds += time.perf_counter() - started
         self.captured[key] = entry
-        return entry
-
-    def _capture_without_warm_up(self, key, inputs) -> Optional[_Captured]:
-        """A new shape of a warmed-up kind, captured at its first call; None (the caller runs the call eagerly as
-        the shape's warm-up, and the next call captures after it) where the capture fails."""
-        started = time.perf_counter()
-        try:
-            entry = self.capture(inputs)
-        except (RuntimeError, ValueError) as error:  # ValueError: a table an op must read first (level_tables)
-            self.capture_seconds += time.perf_counter() - started
-            self.first_call_capture_failures[key] = str(error).splitlines()[0]
-            self._check_device_usable(inputs[0].device, str(error).splitlines()[0], error)
-            return None
-        self.capture_seconds += time.perf_counter() - started
-        self.captured[key] = entry
-        self.first_call_captures += 1
+        if not warmed_up:
+            self.first_call_captures += 1
         return entry
 
     def _check_device_usable(self, device: torch.device, reason: str, error: BaseException) -> None:
