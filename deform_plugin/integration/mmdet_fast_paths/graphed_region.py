@@ -158,6 +158,9 @@ class GraphedRegion:
         self.replays = 0
         self.eager_calls = 0
         self.capture_seconds = 0.0  # host time spent capturing (benchmarks report it)
+        # Where it went: running the forward and the backward under capture (the host's launches and the libraries'
+        # per-shape planning) and instantiating the graphs.
+        self.capture_phase_seconds = {"forward": 0.0, "backward": 0.0, "instantiate": 0.0}
         # The autograd node of the last replay until its backward runs (weakly: a graph dropped without a backward
         # frees the region).
         self.awaiting_backward: Optional[weakref.ref] = None
@@ -265,10 +268,15 @@ class GraphedRegion:
             else:
                 self.first_call_capture_failures[key] = reason
             return None
-        self.capture_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.capture_seconds += seconds
         self.captured[key] = entry
         if not warmed_up:
             self.first_call_captures += 1
+        phases = self.capture_phase_seconds
+        print_log(f"deform_plugin: {self.name} captured inputs {[list(k[0]) for k in key[:-3]]} in {seconds:.3f} s "
+                  f"(all captures so far: forward {phases['forward']:.2f} s, backward {phases['backward']:.2f} s, "
+                  f"of which {phases['instantiate']:.2f} s instantiating graphs)", logger="current")
         return entry
 
     def _check_device_usable(self, device: torch.device, reason: str, error: BaseException) -> None:
@@ -367,8 +375,12 @@ class GraphedRegion:
                 torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_on, cache_enabled=False):
             # Autocast's weight cache is off: a cached cast would be captured once and never recomputed after the
             # optimizer changes the weight.
+            started = time.perf_counter()
             entry.forward_graph = self.capture_graph(run_forward)
+            forward_done = time.perf_counter()
             entry.backward_graph = self.capture_graph(run_backward)
+            self.capture_phase_seconds["forward"] += forward_done - started
+            self.capture_phase_seconds["backward"] += time.perf_counter() - forward_done
         torch.cuda.current_stream(device).wait_stream(side)
         return entry
 
@@ -380,5 +392,7 @@ class GraphedRegion:
         try:
             work()
         finally:
-            graph.capture_end()
+            ended = time.perf_counter()
+            graph.capture_end()  # instantiates the graph
+            self.capture_phase_seconds["instantiate"] += time.perf_counter() - ended
         return graph
