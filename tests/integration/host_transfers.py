@@ -2,9 +2,10 @@
 
 On a GPU, these block the host until all queued work is done: reading a device value on the host (``.item()``,
 ``bool()``, ``int()``, ``.tolist()``, ``.cpu()``, ``nonzero()``, ``unique()``, boolean-mask selection) and building
-a device tensor from Python numbers (``tensor.new_tensor([...])``, ``torch.tensor(..., device=...)``: a blocking
-copy from pageable memory). Run on CPU tensors the same calls are made, so a CPU test can count them: each recorded
-call names the Python function that made it, with the operation.
+a device tensor from Python numbers (``tensor.new_tensor([...])``, ``torch.tensor(..., device=...)``, indexing with
+a Python list such as ``x[[2, 1, 0]]``: a blocking copy from pageable memory). Run on CPU tensors the same calls
+are made, so a CPU test can count them: each recorded call names the Python function that made it, with the
+operation.
 """
 from __future__ import annotations
 
@@ -39,9 +40,15 @@ class HostTransferSpy(TorchFunctionMode):
         if (operation is None and func is torch.Tensor.__getitem__ and len(args) > 1
                 and isinstance(args[1], torch.Tensor) and args[1].dtype == torch.bool):
             operation = "boolean_mask_index"
+        if operation is None and func is torch.Tensor.__getitem__ and len(args) > 1 and _has_list(args[1]):
+            operation = "list_index"
         if operation is not None:
             self.calls.append((operation, _caller()))
         return func(*args, **kwargs)
+
+
+def _has_list(index) -> bool:
+    return isinstance(index, list) or (isinstance(index, tuple) and any(isinstance(i, list) for i in index))
 
 
 def _caller() -> str:

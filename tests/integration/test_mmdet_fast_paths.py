@@ -782,3 +782,43 @@ def test_detr_fast_losses_average_the_normalisers_over_ranks_as_stock_without_bl
             for name in stock_grads:
                 torch.testing.assert_close(fast_grads[name], stock_grads[name], rtol=1e-5, atol=1e-8)
             assert result["transfers"] == [("cpu", "costs_to_host")], (rank, result["transfers"])
+
+
+def _bgr_preprocessor():
+    from mmdet.models.data_preprocessors import DetDataPreprocessor
+    return DetDataPreprocessor(mean=[123.675, 116.28, 103.53], std=[58.395, 57.12, 57.375], bgr_to_rgb=True,
+                               pad_size_divisor=32)
+
+
+def _image_batch(stacked: bool):
+    from mmdet.structures import DetDataSample
+    generator = torch.Generator().manual_seed(0)
+    sizes = [(3, 40, 52), (3, 40, 52)] if stacked else [(3, 37, 50), (3, 45, 41)]
+    images = [torch.randint(0, 256, size, generator=generator, dtype=torch.uint8) for size in sizes]
+    samples = [DetDataSample(metainfo=dict(img_shape=size[1:], ori_shape=size[1:])) for size in sizes]
+    return dict(inputs=torch.stack(images) if stacked else images, data_samples=samples)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["image-list", "stacked-batch"])
+def test_sync_free_forward_flips_the_preprocessors_channels_as_stock_without_a_host_copy(stacked):
+    """mmengine's BGR-to-RGB conversion indexes each image with a Python list (a blocking copy of the index on a
+    GPU); the fast path flips on the device, and the preprocessed batch is bitwise stock's."""
+    from host_transfers import HostTransferSpy
+
+    from deform_plugin.integration.mmdet_fast_paths.sync_free_forward import flip_channels_without_sync
+    stock, fast = _bgr_preprocessor(), _bgr_preprocessor()
+    assert flip_channels_without_sync(fast) and not flip_channels_without_sync(fast)  # once
+    assert not flip_channels_without_sync(_bgr_preprocessor().__class__(bgr_to_rgb=False))
+    recorded, outputs = [], []
+    for preprocessor in (stock, fast):
+        for training in (True, False):
+            with HostTransferSpy() as spy:
+                outputs.append(preprocessor(_image_batch(stacked), training))
+            recorded.append(spy.calls)
+    assert all(("list_index", "forward") in calls for calls in recorded[:2]), recorded  # the spy sees stock's
+    # The rest (mmengine's stack_batch reading the images' sizes from a tensor it builds on the host) stays.
+    assert recorded[2:] == [[call for call in calls if call[0] != "list_index"] for calls in recorded[:2]], recorded
+    for ours, theirs in zip(outputs[2:], outputs[:2]):
+        assert torch.equal(ours["inputs"], theirs["inputs"])
+        assert ([s.metainfo for s in ours["data_samples"]] == [s.metainfo for s in theirs["data_samples"]])
+    assert fast._channel_conversion  # left as it was

@@ -10,6 +10,12 @@ tensors for the same sizes, never read by the MSDA op) and walks the host sizes 
 values: the outputs are bitwise the stock ones. Without a sync a forward of fixed-size inputs is also capturable in
 a CUDA graph.
 
+Before the model, mmengine's ``ImgDataPreprocessor`` (mmdet's ``DetDataPreprocessor`` is one) swaps BGR to RGB by
+indexing each image with the Python list ``[2, 1, 0]``: the index becomes a tensor copied from pageable host memory,
+and such a copy first waits for the GPU's queue to drain (one wait per image, at the start of every iteration). The
+fast path flips the channel dimension on the device instead (``flip``; the same values) and lets the preprocessor
+do the rest as it would.
+
 Mask2Former's instance post-processing waits for the GPU about 700 times per image: mmdet's ``mask2bbox`` finds
 each of the 100 masks' box with ``torch.where`` and builds it from four device scalars, and the thing-class filter
 indexes with a boolean mask. The fast path gives ``MaskFormerFusionHead`` the same post-processing with every box
@@ -204,6 +210,39 @@ def mask_boxes(masks: torch.Tensor) -> torch.Tensor:
     return torch.where(columns_hit.any(1, keepdim=True).bool(), boxes, torch.zeros_like(boxes))
 
 
+def flip_channels_without_sync(preprocessor) -> bool:
+    """Make an mmengine ``ImgDataPreprocessor`` that converts BGR to RGB do it with ``flip`` on the device (no host
+    wait); the rest of its forward is its own. Returns whether ``preprocessor`` was changed (False for other
+    preprocessors, for those without channel conversion and for those changed already)."""
+    from mmengine.model import ImgDataPreprocessor
+    if (not isinstance(preprocessor, ImgDataPreprocessor) or not getattr(preprocessor, "_channel_conversion", False)
+            or getattr(preprocessor, "_deform_plugin_flips_channels", False)):
+        return False
+    own_forward = preprocessor.forward
+
+    def forward(data: dict, training: bool = False):
+        inputs = data.get("inputs") if isinstance(data, dict) else None
+        if isinstance(inputs, torch.Tensor):
+            flippable, channel_dim = inputs.dim() == 4 and inputs.shape[1] == 3, 1
+        else:
+            flippable, channel_dim = (isinstance(inputs, (list, tuple)) and len(inputs) > 0 and all(
+                isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 3 for x in inputs)), 0
+        if not flippable:  # other layouts: the preprocessor's own conversion (and its own errors)
+            return own_forward(data, training)
+        on_device = preprocessor.cast_data(inputs)
+        flipped = (on_device.flip(channel_dim) if isinstance(on_device, torch.Tensor)
+                   else type(on_device)(x.flip(channel_dim) for x in on_device))
+        preprocessor._channel_conversion = False
+        try:
+            return own_forward({**data, "inputs": flipped}, training)
+        finally:
+            preprocessor._channel_conversion = True
+
+    preprocessor.forward = forward
+    preprocessor._deform_plugin_flips_channels = True
+    return True
+
+
 def maskformer_instance_postprocess_sync_free(self, mask_cls, mask_pred):
     """mmdet 3.3.0's ``MaskFormerFusionHead.instance_postprocess`` with :func:`mask_boxes`, and no thing-class
     filter where every class is a thing."""
@@ -237,8 +276,9 @@ def maskformer_instance_postprocess_sync_free(self, mask_cls, mask_pred):
 def enable_sync_free_forward(model) -> int:
     """Switch every Deformable-DETR-family detector in ``model`` (DINO included) whose class uses mmdet's own
     ``pre_transformer``, and every Mask2Former pixel decoder with mmdet's own ``forward``, to the sync-free forward
-    (MaskFormer fusion heads with mmdet's own ``instance_postprocess`` come with their pixel decoder). Returns the
-    number of detectors and pixel decoders changed."""
+    (MaskFormer fusion heads with mmdet's own ``instance_postprocess`` come with their pixel decoder), and their
+    data preprocessors to :func:`flip_channels_without_sync`. Returns the number of detectors and pixel decoders
+    changed."""
     from mmdet.models.detectors import DeformableDETR
     from mmdet.models.layers import MSDeformAttnPixelDecoder
     from mmdet.models.layers.transformer.deformable_detr_layers import DeformableDetrTransformerEncoder
@@ -253,12 +293,14 @@ def enable_sync_free_forward(model) -> int:
                 and type(module).forward is MSDeformAttnPixelDecoder.forward):
             module.forward = pixel_decoder_forward_sync_free.__get__(module)
             changed += 1
+            flip_channels_without_sync(getattr(model, "data_preprocessor", None))
     for module in model.modules():
         if isinstance(module, DeformableDETR) and type(module).pre_transformer is DeformableDETR.pre_transformer:
             module.pre_transformer = deformable_detr_pre_transformer_sync_free.__get__(module)
             if type(module).gen_encoder_output_proposals is DeformableDETR.gen_encoder_output_proposals:
                 module.gen_encoder_output_proposals = gen_encoder_output_proposals_sync_free.__get__(module)
             changed += 1
+            flip_channels_without_sync(getattr(module, "data_preprocessor", None))
     for module in model.modules():
         if isinstance(module, DeformableDetrTransformerEncoder):
             module.get_encoder_reference_points = _encoder_reference_points_from_host_sizes(
