@@ -101,14 +101,19 @@ def _graphed_regions(model) -> list:
 
 
 def _graphed_training_stats(model=None, regions=None) -> Optional[dict]:
-    """What the graph-replayed training did (captures, their host seconds, eager calls, replays, captures made at a
-    shape's first call and those that failed there), summed over the model's graphed regions (or the ``regions``
-    given); None without any."""
+    """What the graph-replayed training did (captures, their host seconds and where those went, eager calls,
+    replays, captures made at a shape's first call and those that failed there), summed over the model's graphed
+    regions (or the ``regions`` given); None without any."""
     regions = _graphed_regions(model) if regions is None else regions
     if not regions:
         return None
+    phases: Dict[str, float] = {}
+    for region in regions:
+        for phase, seconds in (getattr(region, "capture_phase_seconds", None) or {}).items():
+            phases[phase] = phases.get(phase, 0.0) + seconds
     return dict(captures=sum(len(region.captured) for region in regions),
                 capture_seconds=sum(region.capture_seconds for region in regions),
+                capture_phase_seconds=phases,
                 eager_calls=sum(region.eager_calls for region in regions),
                 replays=sum(region.replays for region in regions),
                 fallbacks=sum(len(region.eager_reasons) for region in regions),

@@ -80,7 +80,8 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
                    all_over_steady=None, compiled_total=None, compiled_after_warmup=None, batch_shapes=None,
                    batch_shapes_after_warmup=None, padded_over_image_pixels=None, peak_allocated_mib=None,
                    peak_reserved_mib=None, speedup=None, amp_dtype=None, graph_captures=None,
-                   graph_capture_seconds=None, graph_fallbacks=None, graph_first_call_captures=None)
+                   graph_capture_seconds=None, graph_capture_phase_seconds=None, graph_fallbacks=None,
+                   graph_first_call_captures=None)
     timing = result.get("timing")
     if not timing:
         return metrics
@@ -103,6 +104,7 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
     graphed = timing.get("graphed_training")
     if graphed:
         metrics.update(graph_captures=graphed["captures"], graph_capture_seconds=graphed["capture_seconds"],
+                       graph_capture_phase_seconds=graphed.get("capture_phase_seconds") or None,
                        graph_fallbacks=graphed.get("fallbacks"),
                        graph_first_call_captures=graphed.get("first_call_captures"))
     if steady and metrics["all_img_s"]:
@@ -168,7 +170,8 @@ def markdown(report: dict) -> str:
         f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
         f"| img/s it {whole[0]}-{whole[1]} | img/s it {first[0]}-{first[1]} | {whole[0]}-{whole[1]} / steady "
         f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "
-        f"| graph captures (host s; at a shape's first call; signatures run eagerly) | padded px / image px "
+        f"| graph captures (host s: under capture, instantiating; at a shape's first call; signatures run eagerly) "
+        f"| padded px / image px "
         f"| peak MiB allocated (reserved) "
         f"| speedup |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
@@ -178,8 +181,11 @@ def markdown(report: dict) -> str:
             f"{m['compiled_total']} ({_fmt(m['compiled_after_warmup'], 'd')})")
         shapes = "-" if m["batch_shapes"] is None else (
             f"{m['batch_shapes']} ({_fmt(m['batch_shapes_after_warmup'], 'd')})")
+        phases = m.get("graph_capture_phase_seconds")
         captures = "-" if m["graph_captures"] is None else (
             f"{m['graph_captures']} ({_fmt(m['graph_capture_seconds'], '.1f')} s"
+            + (f": forward {phases.get('forward', 0.0):.1f}, backward {phases.get('backward', 0.0):.1f}, of which "
+               f"instantiation {phases.get('instantiate', 0.0):.1f}" if phases else "")
             + (f"; {m['graph_first_call_captures']} at first call" if m.get("graph_first_call_captures") else "")
             + (f"; {m['graph_fallbacks']} eager)" if m.get("graph_fallbacks") else ")"))
         memory = "-" if m["peak_allocated_mib"] is None else (

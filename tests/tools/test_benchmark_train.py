@@ -288,13 +288,18 @@ def test_timer_counts_the_fixed_size_pad_of_lsj_configs(tmp_path):
 def test_timer_reports_the_graph_captures_of_graphed_training(tmp_path):
     region = SimpleNamespace(captured={"a": 1, "b": 2}, capture_seconds=1.5, eager_calls=3, replays=7,
                              eager_reasons={"c": "too many"}, first_call_captures=1,
-                             first_call_capture_failures={"d": "cudnn.benchmark"})
-    detector = torch.nn.Linear(2, 2)
-    detector.graphed_training_region = region
-    model = torch.nn.Sequential(detector)
+                             first_call_capture_failures={"d": "cudnn.benchmark"},
+                             capture_phase_seconds=dict(forward=0.5, backward=0.75, instantiate=0.25))
+    other = SimpleNamespace(captured={"e": 3}, capture_seconds=0.5, eager_calls=0, replays=1, eager_reasons={},
+                            first_call_captures=0, first_call_capture_failures={},
+                            capture_phase_seconds=dict(forward=0.25, backward=0.25, instantiate=0.125))
+    detector, second = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    detector.graphed_training_region, second.graphed_training_region = region, other
+    model = torch.nn.Sequential(detector, second)
     result = _timed_batches(tmp_path, model, [[(32, 32)]])
-    assert result["graphed_training"] == dict(captures=2, capture_seconds=1.5, eager_calls=3, replays=7, fallbacks=1,
-                                              first_call_captures=1, first_call_capture_failures=1)
+    assert result["graphed_training"] == dict(
+        captures=3, capture_seconds=2.0, capture_phase_seconds=dict(forward=0.75, backward=1.0, instantiate=0.375),
+        eager_calls=3, replays=8, fallbacks=1, first_call_captures=1, first_call_capture_failures=1)
     assert _timed_batches(tmp_path, torch.nn.Linear(2, 2), [[(32, 32)]])["graphed_training"] is None
 
 
@@ -419,6 +424,11 @@ def test_the_table_shows_reserved_memory_and_signatures_that_ran_eagerly():
     assert "| 9 (1.6 s; 7 eager) |" in table_row and "| 9681 (61234) |" in table_row
     row.update(graph_fallbacks=0)
     assert "| 9 (1.6 s) |" in train_report.markdown(report).splitlines()[-1]
+    timing["graphed_training"]["capture_phase_seconds"] = dict(forward=0.7, backward=0.8, instantiate=0.2)
+    row = train_report.row_metrics(dict(config="c.py", row="ours:fp32", status="ok", timing=timing), windows)
+    report["rows"] = [row]
+    assert ("| 9 (1.6 s: forward 0.7, backward 0.8, of which instantiation 0.2; 7 eager) |"
+            in train_report.markdown(report).splitlines()[-1])
 
 
 # ---------------------------------------------------------------------------------------------------------------------
