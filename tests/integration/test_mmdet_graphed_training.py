@@ -243,6 +243,20 @@ def test_a_new_shape_whose_first_capture_fails_warms_up_and_captures_at_its_next
         "spatial_shapes is a tensor this op has not validated yet"]
 
 
+def test_each_capture_logs_its_input_shapes_and_host_time(monkeypatch):
+    from deform_plugin.integration.mmdet_fast_paths import graphed_region
+    lines = []
+    monkeypatch.setattr(graphed_region, "print_log", lambda message, logger=None: lines.append(message))
+    net = _Net().double()
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region")
+    for rows in (2, 2, 3, 3):
+        _step(region, torch.randn(rows, 6, dtype=torch.float64), torch.rand(rows, dtype=torch.float64), 0)
+    assert len(lines) == 2, lines  # one line per capture, none per replay
+    for line, shapes in zip(lines, ("[[2, 6], [2]]", "[[3, 6], [3]]")):
+        assert line.startswith(f"deform_plugin: test region captured inputs {shapes} in "), line
+        assert "(all captures so far: forward" in line and "instantiating graphs)" in line
+
+
 def test_a_new_kind_of_call_warms_up_eagerly_before_its_capture():
     # Another dtype or mode compiles other kernels: only a new shape of a warmed-up kind skips the warm-up.
     net = _Net().double()
