@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .matching import _cost_matrix, _solve, _to_device_without_blocking, costs_to_host
+from .matching import _cost_matrix, _solve, _to_device_without_blocking, costs_to_host, host_solves
 
 
 class _StockDraws:
@@ -93,7 +93,7 @@ def _solve_every_layer(head, all_cls_scores, all_mask_preds, batch_gt_instances,
             return solved
         with record_function("deform_plugin::matching.wait_and_copy_to_host"):
             host = costs_to_host(flat_costs)
-        with record_function("deform_plugin::matching.scipy"):
+        with host_solves():
             offset = 0
             for layer, image, (rows, cols) in blocks:
                 solved[layer][image] = _solve(host[offset:offset + rows * cols].reshape(rows, cols))
