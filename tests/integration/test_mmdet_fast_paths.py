@@ -321,6 +321,9 @@ def test_sync_free_forward_gives_the_stock_outputs_bitwise_and_reads_no_table(co
     stock = stock.double().eval()
     fast = copy.deepcopy(stock)
     assert apply_fast_paths(fast, sync_free_forward=True) == {"sync_free_forward": 1}  # the detector or decoder
+    # Their configs convert BGR to RGB: the data preprocessor flips on the device (see the preprocessor's test).
+    assert fast.data_preprocessor._deform_plugin_flips_channels
+    assert not getattr(stock.data_preprocessor, "_deform_plugin_flips_channels", False)
     # DINO selects 900 proposals: the input must give at least that many keys.
     inputs, samples = stock_worker.detection_inputs(batch=2 if padded else 1, height=224, width=256)
     with torch.no_grad():
