@@ -43,12 +43,22 @@ def launch_device(tensor: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def pointer_alignment_bits(*tensors: torch.Tensor) -> int:
-    """One bit per tensor: whether its data pointer is 16-byte aligned (Triton compiles a variant per answer)."""
+def data_pointers(tensors) -> tuple:
+    """The tensors' data pointers, in order."""
+    return tuple([tensor.data_ptr() for tensor in tensors])
+
+
+def alignment_bits(pointers) -> int:
+    """One bit per pointer: whether it is 16-byte aligned (Triton compiles a variant per answer)."""
     bits = 0
-    for tensor in tensors:
-        bits = (bits << 1) | (tensor.data_ptr() % 16 == 0)
+    for pointer in pointers:
+        bits = (bits << 1) | (pointer % 16 == 0)
     return bits
+
+
+def pointer_alignment_bits(*tensors: torch.Tensor) -> int:
+    """:func:`alignment_bits` of the tensors' data pointers."""
+    return alignment_bits(data_pointers(tensors))
 
 
 def _hook_set(hook) -> bool:
@@ -76,18 +86,26 @@ class DirectLaunches:
         self._variants: dict = {}
         self._runtime_knobs = None
 
-    def launch(self, grid, variant, device: torch.device, args: tuple, num_warps: int, num_stages: int) -> None:
-        """``kernel[grid](*args, num_warps=..., num_stages=...)``; ``args`` holds every kernel parameter in
-        signature order, constexprs included."""
+    def launch(self, grid, variant, device: torch.device, tensors: tuple, pointers: tuple, scalars: tuple,
+               num_warps: int, num_stages: int) -> None:
+        """``kernel[grid](*tensors, *scalars, num_warps=..., num_stages=...)``: the kernel's pointer parameters
+        first (``tensors``, with ``pointers`` their :func:`data_pointers`), then the rest in signature order,
+        constexprs included (``scalars``).
+
+        A direct launch passes the pointers as integers: for a tensor, Triton's launcher calls ``data_ptr()`` and
+        asks the driver whether the address is a device pointer (``cuPointerGetAttribute``) on every launch, which
+        the first launch of the variant has done already for tensors of the same kind.
+        """
         entry = self._variants.get(variant)
         if entry is not None:
             runtime = self._runtime_knobs
             if not _hook_set(runtime.launch_enter_hook) and not _hook_set(runtime.launch_exit_hook):
                 run, function, packed_metadata = entry
                 stream = torch._C._cuda_getCurrentRawStream(device.index)
-                run(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None, None, *args)
+                run(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None, None, *pointers,
+                    *scalars)
                 return
-        compiled = self.kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        compiled = self.kernel[grid](*tensors, *scalars, num_warps=num_warps, num_stages=num_stages)
         if device.type == "cuda" and not triton_interpreter_enabled() and hasattr(compiled, "packed_metadata"):
             from triton import knobs  # kept, so that a direct launch runs no import statement
             self._runtime_knobs = knobs.runtime

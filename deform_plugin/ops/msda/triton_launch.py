@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 import torch
 import triton.language as tl
 
-from ..triton_support import DirectLaunches, launch_device, next_power_of_2, pointer_alignment_bits
+from ..triton_support import DirectLaunches, alignment_bits, data_pointers, launch_device, next_power_of_2
 from .triton_kernels import msda_backward_kernel, msda_forward_kernel, msda_grad_value_segments_kernel
 
 # Entries of the deterministic grad_value reduction handled per step of its loop.
@@ -65,12 +65,21 @@ def _level_tables(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
     return (spatial_shapes.to(device=device).contiguous(), level_start_index.to(device=device).contiguous())
 
 
-def _variant(device, config, tensors, num_heads, head_dim, sizes, constexprs):
+def _variant(device, config, tensors, pointers, num_heads, head_dim, sizes, constexprs):
     """What selects the compiled variant of a launch (see :class:`DirectLaunches`): the tensors' dtypes and pointer
     alignment, the specialised integers (heads, head_dim), whether the unspecialised ones (keys, queries) fit 32
     bits, the constexprs and the launch options."""
-    return (device.index, config, tuple([t.dtype for t in tensors]), pointer_alignment_bits(*tensors), num_heads,
+    return (device.index, config, tuple([t.dtype for t in tensors]), alignment_bits(pointers), num_heads,
             head_dim, max(sizes) <= _INT32_MAX, constexprs)
+
+
+def _launch(launches: DirectLaunches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs):
+    device = tensors[0].device
+    pointers = data_pointers(tensors)
+    launches.launch(grid, _variant(device, config, tensors, pointers, num_heads, head_dim, (num_keys, num_queries),
+                                   constexprs),
+                    device, tensors, pointers, (num_keys, num_queries, num_heads, head_dim) + constexprs,
+                    num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def msda_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
@@ -106,10 +115,7 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
     constexprs = (num_levels, num_points, reference_points.shape[-1] if fused else 2, fused, config.block_q,
                   config.block_d, next_power_of_2(num_levels * num_points), _accumulator_dtype(value))
     with launch_device(value):
-        _forward_launches.launch(
-            grid, _variant(value.device, config, tensors, num_heads, head_dim, (num_keys, num_queries), constexprs),
-            value.device, tensors + (num_keys, num_queries, num_heads, head_dim) + constexprs,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        _launch(_forward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
     return output
 
 
@@ -185,10 +191,7 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     constexprs = (num_levels, num_points, ref_dim, fused, deterministic, config.block_q, config.block_d,
                   next_power_of_2(num_levels * num_points), _accumulator_dtype(value))
     with launch_device(value):
-        _backward_launches.launch(
-            grid, _variant(value.device, config, tensors, num_heads, head_dim, (num_keys, num_queries), constexprs),
-            value.device, tensors + (num_keys, num_queries, num_heads, head_dim) + constexprs,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        _launch(_backward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
         if deterministic:
             grad_value = _reduce_grad_value_segments(grad_output, entry_keys, entry_coefs, value, config.block_d,
                                                      num_levels * num_points * 4)
