@@ -109,7 +109,7 @@ def _graphed_training_stats(model=None, regions=None) -> Optional[dict]:
         return None
     phases: Dict[str, float] = {}
     for region in regions:
-        for phase, seconds in (getattr(region, "capture_phase_seconds", None) or {}).items():
+        for phase, seconds in region.capture_phase_seconds.items():
             phases[phase] = phases.get(phase, 0.0) + seconds
     return dict(captures=sum(len(region.captured) for region in regions),
                 capture_seconds=sum(region.capture_seconds for region in regions),

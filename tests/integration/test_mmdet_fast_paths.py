@@ -495,6 +495,19 @@ def _cuda_syncs_of(work) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
+def _stock_and_fast_losses_under(spy_class, kind):
+    """``spy.calls`` of stock's and of the batched head's losses and backward, each run under a fresh ``spy_class()``
+    mode, on the same inputs."""
+    heads = _stock_and_batched_heads(kind)
+    inputs = _loss_inputs(kind, (3, 5))
+    calls = []
+    for head in heads:
+        with spy_class() as spy:
+            _losses_and_gradients(head, inputs)
+        calls.append(spy.calls)
+    return calls
+
+
 def _stock_and_batched_heads(kind, device="cpu"):
     """A DETR head and its copy with the sync-free, batched losses (and the matching they build on)."""
     stock_head = _detr_head(kind).to(device)
@@ -522,13 +535,7 @@ def test_fast_detr_losses_assign_no_python_scalar_by_index(kind):
                 self.calls += isinstance(args[2], torch.Tensor) and args[2].dim() == 0
             return func(*args, **(kwargs or {}))
 
-    stock_head, fast_head = _stock_and_batched_heads(kind)
-    inputs = _loss_inputs(kind, (3, 5))
-    counts = []
-    for head in (stock_head, fast_head):
-        with ScalarIndexPuts() as spy:
-            _losses_and_gradients(head, inputs)
-        counts.append(spy.calls)
+    counts = _stock_and_fast_losses_under(ScalarIndexPuts, kind)
     assert counts[0] > 0 and counts[1] == 0, counts  # stock's targets set their box weights so, per image
 
 
@@ -551,14 +558,7 @@ def test_fast_detr_losses_wait_for_the_gpu_once(kind):
     """The calls of a head's loss and backward that would block the host on a GPU (recorded on the CPU): stock's
     per-layer matching and targets make dozens; the fast paths leave the one copy of every cost matrix."""
     from host_transfers import HostTransferSpy
-    stock_head, fast_head = _stock_and_batched_heads(kind)
-    inputs = _loss_inputs(kind, (3, 5))
-    recorded = []
-    for head in (stock_head, fast_head):
-        with HostTransferSpy() as spy:
-            _losses_and_gradients(head, inputs)
-        recorded.append(spy.calls)
-    stock, fast = recorded
+    stock, fast = _stock_and_fast_losses_under(HostTransferSpy, kind)
     assert len(stock) >= 3 * 2 * 3, stock  # per layer and image at least the cost copy and two nonzero() calls
     assert fast == [("cpu", "costs_to_host")]
 

@@ -306,7 +306,7 @@ def test_timer_reports_the_graph_captures_of_graphed_training(tmp_path):
 def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
     from benchmarks.detector.train_report import iteration_split, split_table
     region = SimpleNamespace(captured={}, capture_seconds=0.0, eager_calls=0, replays=0, eager_reasons={},
-                             first_call_captures=0, first_call_capture_failures={})
+                             first_call_captures=0, first_call_capture_failures={}, capture_phase_seconds={})
     detector = torch.nn.Linear(2, 2)
     detector.graphed_training_region = region
     clock = FakeClock()
