@@ -136,3 +136,58 @@ def test_a_single_process_leaves_the_preprocessor_unwrapped():
     model = _detector_with_preprocessor(pad_size_divisor=1)
     ShapeBucketsHook(size_divisor=128).before_train(SimpleNamespace(model=model))
     assert "forward" not in vars(model.data_preprocessor)
+
+
+def test_new_shapes_borrow_the_smallest_covering_shape_that_ran_until_seen_enough():
+    from deform_plugin.engine.hooks import ShapeBorrowing
+    borrowing = ShapeBorrowing(until_seen=3, max_pixels=1.5)
+    sequence = [((768, 1024), (768, 1024)),  # nothing ran yet: runs as itself
+                ((768, 768), (768, 1024)),  # 1.33x its pixels: borrows
+                ((640, 640), (640, 640)),  # (768, 1024) is 1.92x: runs as itself
+                ((512, 640), (640, 640)),  # the smaller of the two that cover it within 1.5x... (640, 640): 1.25x
+                ((768, 768), (768, 1024)),  # seen twice: still borrows
+                ((768, 768), (768, 768)),  # the third time: runs as itself
+                ((768, 768), (768, 768)),  # and keeps doing so
+                ((640, 768), (768, 768)),  # now the smallest covering shape
+                ((896, 640), (896, 640))]  # nothing covers it (wider than none, taller than all)
+    got = [borrowing.choose(shape) for shape, _ in sequence]
+    assert got == [expected for _, expected in sequence]
+    assert (borrowing.batches, borrowing.borrowed) == (9, 4)
+    assert borrowing.running == {(768, 1024), (640, 640), (768, 768), (896, 640)}
+    never = ShapeBorrowing(until_seen=1)
+    assert [never.choose(s) for s, _ in sequence] == [s for s, _ in sequence]
+
+
+@pytest.mark.parametrize("bad", [dict(borrow_until_seen=0), dict(borrow_until_seen=2.0),
+                                 dict(borrow_until_seen=True), dict(borrow_max_pixels=0.9),
+                                 dict(borrow_max_pixels=float("nan")), dict(borrow_max_pixels="2")])
+def test_bad_borrowing_settings_are_refused_by_value(bad):
+    ((name, value),) = bad.items()
+    with pytest.raises(ValueError, match=f"{name} must be .*got {value!r}"):
+        ShapeBucketsHook(**bad)
+
+
+def test_a_borrowed_shape_pads_the_batch_further_and_only_in_training():
+    from mmdet.structures import DetDataSample
+
+    def batch(height, width):
+        images = [torch.full((3, height, width), 7, dtype=torch.uint8), torch.ones(3, 40, 50, dtype=torch.uint8)]
+        samples = [DetDataSample(metainfo=dict(img_shape=tuple(i.shape[1:]))) for i in images]
+        return dict(inputs=images, data_samples=samples)
+
+    model = _detector_with_preprocessor(pad_size_divisor=1)
+    hook = ShapeBucketsHook(size_divisor=32, borrow_until_seen=2)
+    hook.before_train(SimpleNamespace(model=model))
+    first = model.data_preprocessor(batch(120, 150), training=True)  # (128, 160) runs as itself
+    borrowed = model.data_preprocessor(batch(100, 120), training=True)  # pads to (128, 128): new
+    assert tuple(first["inputs"].shape[-2:]) == (128, 160)
+    assert tuple(borrowed["inputs"].shape[-2:]) == (128, 160)  # (128, 128) borrows (128, 160): 1.25x its pixels
+    assert all(s.batch_input_shape == (128, 160) for s in borrowed["data_samples"])
+    own = model.data_preprocessor(batch(100, 120), training=True)  # seen twice: runs as (128, 128)
+    assert tuple(own["inputs"].shape[-2:]) == (128, 128)
+    torch.testing.assert_close(borrowed["inputs"][..., :128, :128], own["inputs"], rtol=0, atol=0)
+    assert bool((borrowed["inputs"][..., 128:] == 0).all())  # the preprocessor's pad_value
+    hook.before_val_epoch(SimpleNamespace(model=model))
+    evaluation = model.data_preprocessor(batch(100, 120), training=False)
+    assert tuple(evaluation["inputs"].shape[-2:]) == (100, 120)  # the config's own divisor (1), no borrowing
+    assert (hook.borrowing.batches, hook.borrowing.borrowed) == (3, 1)
