@@ -182,6 +182,7 @@ class IterationTimerHook(Hook):
         self._peak_allocated = 0
         self._peak_reserved = 0
         self._shapes: set = set()
+        self._iteration_shapes: List[Optional[list]] = []
         self._shapes_after_warmup = 0
         self._padded_pixels = 0
         self._image_pixels = 0
@@ -227,6 +228,7 @@ class IterationTimerHook(Hook):
         preprocessor = getattr(model, "data_preprocessor", None)
         padded = padded_batch_shape(data_batch, getattr(preprocessor, "pad_size_divisor", 1),
                                     fixed_pad_size(preprocessor))
+        self._iteration_shapes.append(None if padded is None else list(padded[0]))
         if padded is not None:
             shape, padded_pixels, image_pixels = padded
             if shape not in self._shapes and iteration > self.warmup_iters:
@@ -259,13 +261,15 @@ class IterationTimerHook(Hook):
         return "replay" if counters[2] > before[2] else None
 
     def per_iteration(self) -> List[dict]:
-        """Each iteration's host seconds (from the previous iteration's end, the first from training's start) and
-        what its graphed regions ran."""
+        """Each iteration's host seconds (from the previous iteration's end, the first from training's start), what
+        its graphed regions ran, and its batch's padded shape (before any padding that ranks agree on or a
+        borrowed shape adds)."""
         start = self._marks.get(0, (None, 0))[0]
         entries, previous = [], start
-        for index, (end, kind) in enumerate(zip(self._iteration_ends, self._iteration_kinds)):
+        for index, (end, kind, shape) in enumerate(zip(self._iteration_ends, self._iteration_kinds,
+                                                       self._iteration_shapes)):
             entries.append(dict(iteration=index + 1, seconds=None if previous is None else end - previous,
-                                kind=kind))
+                                kind=kind, shape=shape))
             previous = end
         return entries
 

@@ -57,6 +57,10 @@ class FastPathsHook(Hook):
 
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+        from deform_plugin.ops.msda import prepare_triton_in_background
+        # The one-time host work of the first Triton call, on a thread, while the run initialises its weights and
+        # its data loader's workers start (it would otherwise fall in the first iteration).
+        prepare_triton_in_background()
         changed = apply_fast_paths(runner.model, **self.switches)
         print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
 

@@ -112,6 +112,16 @@ class DirectLaunches:
             self._variants[variant] = (compiled.run, compiled.function, compiled.packed_metadata)
 
 
+def warm_up_triton() -> None:
+    """The host work that a process's first Triton launch does once, done now: hashing Triton's own sources and
+    shared library (the compilation cache's key: ~0.35 s on an H200 host, mostly in ``hashlib``, which releases the
+    GIL) and importing the modules that the compiler imports lazily (~0.1 s). Both are cached where the launch path
+    finds them. Safe on any thread."""
+    from triton.runtime.cache import triton_key
+    triton_key()
+    import triton.experimental.gluon.language  # noqa: F401  (the code generator imports it at a compile)
+
+
 def next_power_of_2(n: int) -> int:
     # Plain Python: triton.next_power_of_2 is patched (and slow) under the interpreter, and this runs every call.
     return 1 if n <= 1 else 1 << (n - 1).bit_length()

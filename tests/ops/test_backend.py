@@ -50,3 +50,40 @@ def test_a_default_an_op_does_not_offer_counts_as_auto(monkeypatch):
 def test_builtin_names_cannot_be_registered():
     with pytest.raises(ValueError, match="built in"):
         backend.register_backend("msda", "triton", lambda *a: None, lambda device: None)
+
+
+def test_triton_warm_up_runs_on_a_thread_and_fills_the_caches_the_first_call_reads(monkeypatch):
+    from deform_plugin.ops.msda import functional, prepare_triton_in_background
+
+    monkeypatch.setattr(functional.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(functional, "triton_interpreter_enabled", lambda: False)
+    monkeypatch.setattr(functional, "triton_unavailable_reason", lambda device: None)
+    monkeypatch.setattr(functional, "_triton_op_module", None)
+    from triton.runtime.cache import triton_key
+    triton_key.cache_clear()
+    thread = prepare_triton_in_background()
+    assert thread is not None and thread.daemon and thread.name == "deform_plugin-triton-warm-up"
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert triton_key.cache_info().currsize == 1  # Triton's cache key: computed, kept for the first launch
+    assert functional._triton_op_module is not None  # the custom ops: registered
+
+
+def test_triton_warm_up_starts_nothing_without_cuda_and_swallows_its_own_errors(monkeypatch):
+    from deform_plugin.ops.msda import functional, prepare_triton_in_background
+
+    monkeypatch.setattr(functional.torch.cuda, "is_available", lambda: False)
+    assert prepare_triton_in_background() is None
+    monkeypatch.setattr(functional.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(functional, "triton_interpreter_enabled", lambda: False)
+    monkeypatch.setattr(functional, "triton_unavailable_reason", lambda device: None)
+
+    def broken():
+        raise RuntimeError("no cache dir")
+
+    monkeypatch.setattr(functional, "warm_up_triton", broken)
+    errors = []
+    monkeypatch.setattr(functional.threading, "excepthook", lambda args: errors.append(args))
+    thread = prepare_triton_in_background()
+    thread.join(timeout=60)
+    assert errors == []  # a warm-up that fails leaves the work (and the error) to the first call

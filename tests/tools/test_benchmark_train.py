@@ -274,6 +274,7 @@ def test_timer_counts_padded_batch_shapes_and_pixels(tmp_path):
     assert (result["batch_shapes"], result["batch_shapes_after_warmup"]) == (2, 1)
     image_pixels = sum(h * w for batch in sizes for h, w in batch)
     assert result["padded_over_image_pixels"] == pytest.approx(2 * (64 * 96 + 64 * 64 + 64 * 96) / image_pixels)
+    assert [e["shape"] for e in result["per_iteration"]] == [[64, 96], [64, 64], [64, 96]]
 
 
 def test_timer_counts_the_fixed_size_pad_of_lsj_configs(tmp_path):

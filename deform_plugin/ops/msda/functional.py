@@ -1,6 +1,8 @@
 """Public entry points of the MSDA op: validate, pick a backend, run it."""
 from __future__ import annotations
 
+import logging
+import threading
 import weakref
 from typing import Callable, Dict, Optional, Tuple
 
@@ -9,6 +11,7 @@ from torch._C._autograd import _profiler_enabled
 from torch.profiler import record_function
 
 from ..backend import get_default_backend, registered_backend, resolve_backend
+from ..triton_support import triton_interpreter_enabled, triton_unavailable_reason, warm_up_triton
 from .checks import MSDAShape, check_fused_msda_inputs, check_msda_inputs
 from .export import fused_multi_scale_deformable_attn_export, in_onnx_export, multi_scale_deformable_attn_export
 from .level_tables import host_level_tables
@@ -119,6 +122,30 @@ def _triton_op():
         from . import triton_op
         _triton_op_module = triton_op
     return _triton_op_module
+
+
+def prepare_triton_in_background() -> Optional[threading.Thread]:
+    """Start, on a daemon thread, the one-time host work of the process's first Triton MSDA call, and return it.
+
+    That work (Triton's cache key and lazy imports, see :func:`warm_up_triton`; the custom ops' registration with
+    the dispatcher, ~0.15 s) would otherwise fall in the first training iteration. Started while a run builds its
+    model and its data loader's workers start, it overlaps them. A call that comes first does the rest itself.
+    None (nothing started) where the Triton kernels cannot run on CUDA.
+    """
+    if triton_interpreter_enabled() or not torch.cuda.is_available() or \
+            triton_unavailable_reason(torch.device("cuda")) is not None:
+        return None
+
+    def prepare():
+        try:
+            warm_up_triton()
+            _triton_op()
+        except Exception as error:  # a warm-up only: the first call does the same work and reports real errors
+            logging.getLogger(__name__).debug("Triton warm-up stopped: %r", error)
+
+    thread = threading.Thread(target=prepare, name="deform_plugin-triton-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def _profiling() -> bool:
