@@ -5,12 +5,9 @@
 - ``FastPathsHook`` (``custom_hooks``): SDPA attention bricks and fewer host syncs in Hungarian matching.
 - ``ShapeBucketsHook`` (``custom_hooks``): training batches padded to a few distinct shapes (not exact: more
   padding), so that random-resize pipelines stop paying per-shape cuDNN/cuBLAS plan selection every step.
-- ``BucketViewDistributedDataParallel`` (``model_wrapper_cfg``): DDP whose gradients stay views of its buckets (no
-  per-parameter copies or divisions by the reducer each step).
 - ``SyncFreeOptimWrapper`` / ``SyncFreeAmpOptimWrapper`` (``optim_wrapper.type``) and ``DeferredRuntimeInfoHook``
   (``default_hooks.runtime_info``): no per-iteration host syncs for logging, no loss scaling for bf16.
 """
-from .distributed import BucketViewDistributedDataParallel
 from .hooks import (DeferredRuntimeInfoHook, FastPathsHook, ShapeBucketsHook, fast_path_switches_from_config,
                     training_size_divisor_from_config)
 from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels,
@@ -18,7 +15,6 @@ from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose
 from .sync_free import DEFERRED_SCALARS, SyncFreeAmpOptimWrapper, SyncFreeOptimWrapper
 
 __all__ = [
-    "BucketViewDistributedDataParallel",
     "DEFERRED_SCALARS",
     "DeferredRuntimeInfoHook",
     "FastPathsHook",

@@ -62,5 +62,5 @@ def test_fast_config_selects_everything():
                                                        batched_losses=True, cuda_graphs=True,
                                                        relu_dropout_fusion=True, ffn_recompute=True)
     assert cfg.optim_wrapper.paramwise_cfg == dict(custom_keys={"backbone": dict(lr_mult=0.1)})
-    assert cfg.model_wrapper_cfg == dict(type="BucketViewDistributedDataParallel", broadcast_buffers=False,
-                                         static_graph=True)
+    assert cfg.model_wrapper_cfg == dict(type="MMDistributedDataParallel", broadcast_buffers=False,
+                                         gradient_as_bucket_view=True, static_graph=True)

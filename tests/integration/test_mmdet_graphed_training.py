@@ -438,30 +438,23 @@ def _ddp_batch(rank, step):
 
 def _ddp_worker(rank, out_dir, ddp_options):
     from torch.nn.parallel import DistributedDataParallel
-
-    from deform_plugin.engine import BucketViewDistributedDataParallel
-    options = dict(ddp_options)
-    bucket_views = options.pop("bucket_view_wrapper", False)
     torch.manual_seed(0)
     net = _Net().double()
     net.unused.requires_grad_(False)  # DDP (without find_unused_parameters) wants a gradient for the rest
     caller = _RegionCaller(net)
-    model = (BucketViewDistributedDataParallel if bucket_views else DistributedDataParallel)(caller, **options)
+    model = DistributedDataParallel(caller, **ddp_options)
     grads = []
     for step in range(4):  # warm-up, capture, replays
-        model.zero_grad(set_to_none=not bucket_views)  # the bucket-view wrapper's train_step zeroes in place
+        model.zero_grad(set_to_none=True)
         _step(model, *_ddp_batch(rank, step), step)
         grads.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
     torch.save(dict(grads=grads, replays=caller.region.replays, eager_calls=caller.region.eager_calls),
                out_dir / f"rank{rank}.pt")
 
 
-# The second: gradients as views of the buckets, the reducer planned once; the third: the fast DETR configs'
-# wrapper (model_wrapper_cfg), whose gradients stay bucket views (zeroed in place, divided per bucket).
+# The second: the wrapper settings of the fast DETR configs (model_wrapper_cfg), gradients as views of the buckets.
 @pytest.mark.parametrize("ddp_options", [{}, dict(broadcast_buffers=False, gradient_as_bucket_view=True,
-                                                  static_graph=True),
-                                         dict(bucket_view_wrapper=True, broadcast_buffers=False, static_graph=True)],
-                         ids=["default", "bucket-views", "fast-config"])
+                                                  static_graph=True)], ids=["default", "fast-config"])
 def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path, ddp_options):
     # DistributedDataParallel reduces a parameter's gradient when autograd accumulates it: the replay's backward
     # hands the parameters their gradients through the same accumulators, so ranks that replay (or run eagerly)
