@@ -21,8 +21,7 @@ FAST_PATHS_HOOK = "FastPathsHook"
 PLUGIN_HOOKS = (FAST_PATHS_HOOK, "ShapeBucketsHook")
 MERGED_CONSTRUCTOR = "MergedParamGroupsOptimWrapperConstructor"
 PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWrapper": "AmpOptimWrapper",
-                     "DeferredRuntimeInfoHook": "RuntimeInfoHook",
-                     "BucketViewDistributedDataParallel": "MMDistributedDataParallel"}
+                     "DeferredRuntimeInfoHook": "RuntimeInfoHook"}
 # The FastPathsHook switches (and the graph inference, and ShapeBucketsHook's training padding) that each FAST
 # choice of a row turns on.
 FAST_PATH_SWITCHES = {"optim": (), "sdpa": ("sdpa_attention",), "matching": ("batched_matching",),
@@ -48,15 +47,6 @@ def read_config(path: str, cfg_options: Optional[dict] = None):
     return cfg
 
 
-def stock_model_wrapper(wrapper_cfg: dict) -> dict:
-    """The mmengine model wrapper that a deform_plugin one extends, with its arguments (the bucket-view DDP
-    wrapper implies ``gradient_as_bucket_view=True``)."""
-    stock = dict(wrapper_cfg, type=PLUGIN_TYPE_BASES[wrapper_cfg["type"]])
-    if wrapper_cfg["type"] == "BucketViewDistributedDataParallel":
-        stock["gradient_as_bucket_view"] = True
-    return stock
-
-
 def load_config(path: str, cfg_options: Optional[dict], plugin: bool):
     """Load a config and import what it needs; with ``plugin=False`` strip every deform_plugin part first."""
     cfg = read_config(path, cfg_options)
@@ -69,8 +59,6 @@ def load_config(path: str, cfg_options: Optional[dict], plugin: bool):
             cfg.optim_wrapper.pop("constructor")
         if cfg.optim_wrapper.get("type") in PLUGIN_TYPE_BASES:
             cfg.optim_wrapper.type = PLUGIN_TYPE_BASES[cfg.optim_wrapper.type]
-        if (cfg.get("model_wrapper_cfg") or {}).get("type") in PLUGIN_TYPE_BASES:
-            cfg.model_wrapper_cfg = stock_model_wrapper(cfg.model_wrapper_cfg)
     else:
         for name in ("deform_plugin", "deform_plugin.engine"):
             if name not in imports:

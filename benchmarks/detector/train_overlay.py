@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .coco_source import CocoSource
-from .configs import MERGED_CONSTRUCTOR, PLUGIN_HOOKS, PLUGIN_PACKAGE, PLUGIN_TYPE_BASES, stock_model_wrapper
+from .configs import MERGED_CONSTRUCTOR, PLUGIN_HOOKS, PLUGIN_PACKAGE, PLUGIN_TYPE_BASES
 from .iteration_timer import validate_windows
 
 TIMER_MODULE = "benchmarks.detector.iteration_timer"
@@ -222,9 +222,6 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
             stripped = {k: v for k, v in optim_wrapper.items() if k != "constructor"}
             stripped["type"] = PLUGIN_TYPE_BASES.get(stripped.get("type"), stripped.get("type", "OptimWrapper"))
             overlay["optim_wrapper"] = dict(_delete_=True, **stripped)
-        model_wrapper = base.get("model_wrapper_cfg") or {}
-        if model_wrapper.get("type") in PLUGIN_TYPE_BASES:
-            overlay["model_wrapper_cfg"] = dict(_delete_=True, **stock_model_wrapper(model_wrapper))
         runtime_info = default_hooks.get("runtime_info") or {}
         if runtime_info.get("type") in PLUGIN_TYPE_BASES:
             overlay["default_hooks"]["runtime_info"] = dict(

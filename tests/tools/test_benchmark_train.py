@@ -122,9 +122,6 @@ def test_stock_overlay_strips_every_plugin_piece_and_keeps_the_pipeline(tmp_path
     assert cfg.optim_wrapper.to_dict() == expected_optim
     assert base.default_hooks.runtime_info.type == "DeferredRuntimeInfoHook"
     assert cfg.default_hooks.runtime_info.type == "RuntimeInfoHook"
-    assert base.model_wrapper_cfg.type == "BucketViewDistributedDataParallel"
-    assert cfg.model_wrapper_cfg.to_dict() == dict(type="MMDistributedDataParallel", broadcast_buffers=False,
-                                                   static_graph=True, gradient_as_bucket_view=True)
     loader, base_loader = cfg.train_dataloader, base.train_dataloader
     assert loader.dataset.pipeline == base_loader.dataset.pipeline
     assert loader.dataset.type == "CocoDataset" and loader.dataset.filter_cfg == base_loader.dataset.filter_cfg
