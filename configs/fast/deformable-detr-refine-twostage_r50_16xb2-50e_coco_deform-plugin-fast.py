@@ -11,7 +11,9 @@
 #     (relu_dropout_fusion), FFNs without dropout recompute their hidden layer in the backward (ffn_recompute).
 #   - ShapeBucketsHook (the one change that is not exact): training batches padded to multiples of 128 px, so
 #     that the random-resize pipeline yields a few dozen input shapes instead of a new one per batch, each
-#     of which costs cuDNN/cuBLAS plan selection (docs/whole_detector.md measures both sides).
+#     of which costs cuDNN/cuBLAS plan selection and a graph capture (docs/whole_detector.md measures both
+#     sides); a shape's first 4 batches borrow a larger shape that ran before (at most 1.5x its pixels) instead
+#     of paying that cost for a shape that may be rare.
 # Apart from that padding, losses and gradients match the plain config to float rounding (docs/whole_detector.md
 # explains why).
 # Optimizer state dicts differ in layout from stock runs: resume a run with the constructor it was started with.
@@ -33,4 +35,4 @@ model_wrapper_cfg = dict(type='MMDistributedDataParallel', broadcast_buffers=Fal
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
                      batched_losses=True, sync_free_forward=True, cuda_graphs=True, relu_dropout_fusion=True,
                      ffn_recompute=True),
-                dict(type='ShapeBucketsHook', size_divisor=128)]
+                dict(type='ShapeBucketsHook', size_divisor=128, borrow_until_seen=5, borrow_max_pixels=1.5)]

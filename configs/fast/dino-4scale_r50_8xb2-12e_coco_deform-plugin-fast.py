@@ -1,6 +1,7 @@
 # DINO-4scale R50 on deform_plugin's MSDA, with every exact step-level speedup selected (the Deformable-DETR file
 # next to this one lists them; docs/whole_detector.md explains why each is exact), and its training batches padded
-# to multiples of 128 px by ShapeBucketsHook (not exact: more padding, few distinct input shapes).
+# to multiples of 128 px by ShapeBucketsHook (not exact: more padding, few distinct input shapes; a shape's first 4
+# batches borrow a larger shape that ran before).
 _base_ = '../dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py'
 
 custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], allow_failed_imports=False)
@@ -16,4 +17,4 @@ model_wrapper_cfg = dict(type='MMDistributedDataParallel', broadcast_buffers=Fal
 custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
                      batched_losses=True, sync_free_forward=True, cuda_graphs=True, relu_dropout_fusion=True,
                      ffn_recompute=True),
-                dict(type='ShapeBucketsHook', size_divisor=128)]
+                dict(type='ShapeBucketsHook', size_divisor=128, borrow_until_seen=5, borrow_max_pixels=1.5)]

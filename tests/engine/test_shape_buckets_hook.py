@@ -74,6 +74,10 @@ def test_fast_configs_bucket_the_random_resize_pipelines(name, divisor):
     from mmengine.config import Config
     cfg = Config.fromfile(os.path.join(REPO_ROOT, "configs", "fast", name), import_custom_modules=False)
     assert training_size_divisor_from_config(cfg) == divisor
+    if divisor is not None:  # the random-resize DETRs: a new shape's first batches borrow one that ran before
+        hook = next(h for h in cfg.custom_hooks if h["type"] == "ShapeBucketsHook")
+        built = ShapeBucketsHook(**{k: v for k, v in hook.items() if k != "type"})
+        assert (built.borrowing.until_seen, built.borrowing.max_pixels) == (5, 1.5)
 
 
 # ---- every rank pads to one shape under distributed training ------------------------------------------------------
