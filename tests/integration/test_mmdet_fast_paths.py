@@ -825,15 +825,3 @@ def test_sync_free_forward_flips_the_preprocessors_channels_as_stock_without_a_h
         assert torch.equal(ours["inputs"], theirs["inputs"])
         assert ([s.metainfo for s in ours["data_samples"]] == [s.metainfo for s in theirs["data_samples"]])
     assert fast._channel_conversion  # left as it was
-
-
-def test_host_solves_shorten_the_gil_switch_interval_and_restore_it():
-    from deform_plugin.integration.mmdet_fast_paths.matching import SOLVE_SWITCH_INTERVAL, host_solves
-    before = sys.getswitchinterval()
-    with host_solves():
-        assert sys.getswitchinterval() <= SOLVE_SWITCH_INTERVAL < before
-    assert sys.getswitchinterval() == before
-    with pytest.raises(RuntimeError, match="a solve failed"):
-        with host_solves():
-            raise RuntimeError("a solve failed")
-    assert sys.getswitchinterval() == before

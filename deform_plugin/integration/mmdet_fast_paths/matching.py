@@ -23,9 +23,7 @@ transfer, and solves every assignment; the per-layer ``assign`` calls then find 
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-import sys
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
@@ -33,8 +31,6 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-# How soon (seconds) another Python thread must hand the GIL back while the step's assignments are solved.
-SOLVE_SWITCH_INTERVAL = 1e-4
 # A prediction set's identity in the step: its scores' storage address, shape and strides, and the gt instances.
 _PredictionKey = Tuple[int, Tuple[int, ...], Tuple[int, ...], int]
 
@@ -71,22 +67,14 @@ def _assignment_from_host(num_gts: int, host_gt_inds: np.ndarray, gt_labels: tor
     return result
 
 
-@contextlib.contextmanager
 def host_solves():
-    """The span in which a step's assignments are solved on the host: a profiler range, and prompt GIL hand-backs.
+    """The span in which a step's assignments are solved on the host, as a profiler range.
 
-    scipy releases the GIL for each ``linear_sum_assignment`` call, and taking it back waits for any other Python
-    thread that took it meanwhile (the data loader's pinning thread runs in the training process) for up to the
-    interpreter's switch interval, 5 ms by default: with a busy thread beside it, a step's 14 solves of 0.2 ms took
-    30 ms on a CPU. The interval is shortened while the solves run and restored after; the results are the same.
+    (A shorter GIL switch interval for this span, against threads that might hold the GIL when scipy hands it back,
+    made no measurable difference to a Deformable-DETR step on an H200, so the interpreter's settings are left as
+    they are: docs/whole_detector.md, seventh session.)
     """
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(min(previous, SOLVE_SWITCH_INTERVAL))
-    try:
-        with record_function("deform_plugin::matching.scipy"):
-            yield
-    finally:
-        sys.setswitchinterval(previous)
+    return record_function("deform_plugin::matching.scipy")
 
 
 def _solve(cost: np.ndarray) -> np.ndarray:
