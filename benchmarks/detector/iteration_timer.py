@@ -183,6 +183,7 @@ class IterationTimerHook(Hook):
         self._peak_reserved = 0
         self._shapes: set = set()
         self._iteration_shapes: List[Optional[list]] = []
+        self._iteration_run_shapes: List[Optional[list]] = []
         self._shapes_after_warmup = 0
         self._padded_pixels = 0
         self._image_pixels = 0
@@ -228,9 +229,14 @@ class IterationTimerHook(Hook):
         preprocessor = getattr(model, "data_preprocessor", None)
         padded = padded_batch_shape(data_batch, getattr(preprocessor, "pad_size_divisor", 1),
                                     fixed_pad_size(preprocessor))
+        # ShapeBucketsHook may pad further (the ranks' common shape, a borrowed shape): the shape the batch ran at.
+        ran_at = getattr(preprocessor, "deform_plugin_training_shape", None)
         self._iteration_shapes.append(None if padded is None else list(padded[0]))
+        self._iteration_run_shapes.append(None if ran_at is None else list(ran_at))
         if padded is not None:
             shape, padded_pixels, image_pixels = padded
+            if ran_at is not None:
+                padded_pixels = images_in_batch(data_batch) * int(ran_at[0]) * int(ran_at[1])
             if shape not in self._shapes and iteration > self.warmup_iters:
                 self._shapes_after_warmup += 1
             self._shapes.add(shape)
@@ -262,14 +268,15 @@ class IterationTimerHook(Hook):
 
     def per_iteration(self) -> List[dict]:
         """Each iteration's host seconds (from the previous iteration's end, the first from training's start), what
-        its graphed regions ran, and its batch's padded shape (before any padding that ranks agree on or a
-        borrowed shape adds)."""
+        its graphed regions ran, its batch's padded shape (``shape``, the data preprocessor's own padding) and the
+        shape it ran at (``run_shape``: after ShapeBucketsHook's further padding, where it pads; else None)."""
         start = self._marks.get(0, (None, 0))[0]
         entries, previous = [], start
-        for index, (end, kind, shape) in enumerate(zip(self._iteration_ends, self._iteration_kinds,
-                                                       self._iteration_shapes)):
+        for index, (end, kind, shape, run_shape) in enumerate(zip(self._iteration_ends, self._iteration_kinds,
+                                                                  self._iteration_shapes,
+                                                                  self._iteration_run_shapes)):
             entries.append(dict(iteration=index + 1, seconds=None if previous is None else end - previous,
-                                kind=kind, shape=shape))
+                                kind=kind, shape=shape, run_shape=run_shape))
             previous = end
         return entries
 

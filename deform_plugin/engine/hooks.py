@@ -242,6 +242,8 @@ def pad_training_batches_further(preprocessor, every_rank: bool, borrowing: Opti
             target = borrowing.choose(target)
         if target != (height, width):
             _pad_batch_to(preprocessor, data, target)
+        # What the training batch ran at, for timers and reports (the batch's own padding cannot tell).
+        preprocessor.deform_plugin_training_shape = target
         return data
 
     preprocessor.forward = forward

@@ -186,6 +186,7 @@ def test_a_borrowed_shape_pads_the_batch_further_and_only_in_training():
     borrowed = model.data_preprocessor(batch(100, 120), training=True)  # pads to (128, 128): new
     assert tuple(first["inputs"].shape[-2:]) == (128, 160)
     assert tuple(borrowed["inputs"].shape[-2:]) == (128, 160)  # (128, 128) borrows (128, 160): 1.25x its pixels
+    assert model.data_preprocessor.deform_plugin_training_shape == (128, 160)  # for timers: what it ran at
     assert all(s.batch_input_shape == (128, 160) for s in borrowed["data_samples"])
     own = model.data_preprocessor(batch(100, 120), training=True)  # seen twice: runs as (128, 128)
     assert tuple(own["inputs"].shape[-2:]) == (128, 128)

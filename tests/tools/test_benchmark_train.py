@@ -272,6 +272,18 @@ def test_timer_counts_padded_batch_shapes_and_pixels(tmp_path):
     image_pixels = sum(h * w for batch in sizes for h, w in batch)
     assert result["padded_over_image_pixels"] == pytest.approx(2 * (64 * 96 + 64 * 64 + 64 * 96) / image_pixels)
     assert [e["shape"] for e in result["per_iteration"]] == [[64, 96], [64, 64], [64, 96]]
+    assert [e["run_shape"] for e in result["per_iteration"]] == [None] * 3
+
+
+def test_timer_counts_the_pixels_of_the_shape_a_batch_ran_at(tmp_path):
+    model = torch.nn.Module()
+    # ShapeBucketsHook's further padding (a borrowed shape, the ranks' common one) leaves the shape it ran at here.
+    model.data_preprocessor = SimpleNamespace(pad_size_divisor=32, deform_plugin_training_shape=(96, 128))
+    sizes = [[(40, 60), (30, 70)]]  # its own padding: 64x96
+    result = _timed_batches(tmp_path, model, sizes)
+    image_pixels = sum(h * w for batch in sizes for h, w in batch)
+    assert result["padded_over_image_pixels"] == pytest.approx(2 * 96 * 128 / image_pixels)
+    assert [(e["shape"], e["run_shape"]) for e in result["per_iteration"]] == [([64, 96], [96, 128])]
 
 
 def test_timer_counts_the_fixed_size_pad_of_lsj_configs(tmp_path):
