@@ -136,6 +136,34 @@ def test_every_rank_pads_its_training_batch_to_the_largest_padded_shape_of_all_r
     assert results[0]["evaluation"] == (128, 192)  # rank 0's own padding: no agreement outside training
 
 
+# Each rank's own padded shapes differ: rank 0 (128, 160) then (64, 128); rank 1 (64, 64) then (96, 96).
+_RANK_BORROW_SIZES = {0: [(100, 150)] + [(60, 100)] * 3, 1: [(50, 60)] + [(90, 90)] * 3}
+
+
+def _borrow_worker(rank, out_dir):
+    from mmdet.structures import DetDataSample
+
+    model = _detector_with_preprocessor(pad_size_divisor=1)
+    hook = ShapeBucketsHook(size_divisor=32, borrow_until_seen=3, borrow_max_pixels=2.0)
+    hook.before_train(SimpleNamespace(model=model))
+    shapes = []
+    for height, width in _RANK_BORROW_SIZES[rank]:
+        images = [torch.ones(3, height, width, dtype=torch.uint8)]
+        samples = [DetDataSample(metainfo=dict(img_shape=(height, width)))]
+        out = model.data_preprocessor(dict(inputs=images, data_samples=samples), training=True)
+        shapes.append(tuple(out["inputs"].shape[-2:]))
+    torch.save(shapes, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_ranks_agree_on_a_shape_before_borrowing_so_they_borrow_alike(tmp_path):
+    from gloo_ranks import run_gloo_ranks
+    run_gloo_ranks(_borrow_worker, str(tmp_path))
+    shapes = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    # The ranks' common shapes: (128, 160), then (96, 128) three times. (96, 128) is new: its first two batches
+    # borrow (128, 160) (1.67x its pixels), its third runs as itself; both ranks alike.
+    assert shapes[0] == shapes[1] == [(128, 160), (128, 160), (128, 160), (96, 128)]
+
+
 def test_a_single_process_leaves_the_preprocessor_unwrapped():
     model = _detector_with_preprocessor(pad_size_divisor=1)
     ShapeBucketsHook(size_divisor=128).before_train(SimpleNamespace(model=model))
