@@ -68,12 +68,7 @@ def _assignment_from_host(num_gts: int, host_gt_inds: np.ndarray, gt_labels: tor
 
 
 def host_solves():
-    """The span in which a step's assignments are solved on the host, as a profiler range.
-
-    (A shorter GIL switch interval for this span, against threads that might hold the GIL when scipy hands it back,
-    made no measurable difference to a Deformable-DETR step on an H200, so the interpreter's settings are left as
-    they are: docs/whole_detector.md, seventh session.)
-    """
+    """The span in which a step's assignments are solved on the host, as a profiler range."""
     return record_function("deform_plugin::matching.scipy")
 
 
