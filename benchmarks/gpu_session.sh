@@ -9,8 +9,13 @@
 #             runs against the stock op. TEST_PATHS picks the test files, ENTRY_BENCH=0 skips the benchmark.
 #   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours, and the
 #             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
-#   scale     two-GPU DDP against one GPU (SCALE_ITERS iterations, default 100), the demo's loss curves (plain fp32
-#             vs fast bf16; DEMO=0 skips them) and (unless PROFILE=0) a step profile.
+#   scale     two-GPU DDP against one GPU (SCALE_ITERS iterations, default 100; SCALE_CONFIGS picks the configs,
+#             default ddetr), the demo's loss curves (plain fp32 vs fast bf16; DEMO=0 skips them) and (unless
+#             PROFILE=0) a step profile.
+#   borrow    ShapeBucketsHook's borrowed shapes: each BORROW_CONFIGS config (default ddetr dino) as shipped against
+#             the same config with BORROW_SETTINGS (default "1,1.5": no borrowing; "UNTIL,MAX_PIXELS" pairs), one
+#             GPU, rows one after another (BORROW_ITERS iterations, default 150); compare iterations 2-100 in the
+#             report's per-iteration times (iteration 1 of a call's first row compiles the Triton kernels).
 #   profile   the step profile alone (stock fp32, ours bf16 without and with the config's fast paths).
 #   build     mmcv's CUDA ops only (the stock baseline), for the phases after it on the same host; with PACK=1 the
 #             build comes back packed in OUT: copied into .whl, later fresh hosts unpack it in seconds.
@@ -20,7 +25,7 @@
 # It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
 # to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale|profile|build|sizes|memory [OUT]}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale|borrow|profile|build|sizes|memory [OUT]}
 out=${2:-${OUT:-bench_results/gpu}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,6 +95,11 @@ with_full() { PYTHONPATH="$full:$repo" "$@"; }
 on_gpu() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu "$@"; }
 second_gpu=$(( gpus > 1 ? 1 : 0 ))
 
+declare -A config_of=(
+  [ddetr]=configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py
+  [dino]=configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py
+  [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py)
+
 install_wheels
 case "$phase" in
 tests)
@@ -119,10 +129,6 @@ train)
   # one GPU can run the phase in pieces of under 10 minutes; TRAIN_ITERS (default 100) lengthens the runs.
   wait_for_mmcv
   rows="stock:fp32 ours:fp32 ours:bf16"
-  declare -A config_of=(
-    [ddetr]=configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py
-    [dino]=configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py
-    [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py)
   run_train() {  # GPU NAME
     on_gpu "$1" with_full timeout $(left) python3 tools/benchmark_train.py "${config_of[$2]}" --rows $rows \
         --iters ${TRAIN_ITERS:-100} --batch-size 2 --workers 4 --out-dir "$results/train_$2" \
@@ -149,13 +155,14 @@ train)
   ;;
 scale)
   wait_for_mmcv
-  config=configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py
   if [ "$gpus" -ge 2 ]; then
-    for n in 1 2; do
-      with_full timeout $(left) python3 tools/benchmark_train.py "$config" --rows ours:bf16 --iters ${SCALE_ITERS:-100} \
-          --batch-size 2 --workers 4 \
-          --gpus $n --out-dir "$results/ddp_$n" > "$results/ddp_$n.log" 2>&1
-      tail -6 "$results/ddp_$n.log"
+    for name in ${SCALE_CONFIGS:-ddetr}; do
+      for n in 1 2; do
+        with_full timeout $(left) python3 tools/benchmark_train.py "${config_of[$name]}" --rows ours:bf16 \
+            --iters ${SCALE_ITERS:-100} --batch-size 2 --workers 4 \
+            --gpus $n --out-dir "$results/ddp_${name}_$n" > "$results/ddp_${name}_$n.log" 2>&1
+        tail -6 "$results/ddp_${name}_$n.log"
+      done
     done
   fi
   if [ "${DEMO:-1}" = 1 ]; then  # DEMO=0 leaves the demo's loss curves out
@@ -198,6 +205,22 @@ sizes)
       --variable-sizes 16 --inference-steps 0 --no-progress --out-dir "$results" --name sizes \
       > "$results/sizes.log" 2>&1
   tail -22 "$results/sizes.log"
+  ;;
+borrow)
+  wait_for_mmcv
+  for name in ${BORROW_CONFIGS:-ddetr dino}; do
+    variants=()
+    for setting in ${BORROW_SETTINGS:-1,1.5}; do
+      variant="$results/${name}_borrow_${setting/,/_}.py"
+      with_full python3 benchmarks/detector/borrow_variant.py "$repo/${config_of[$name]}" "${setting%,*}" \
+          "${setting#*,}" > "$variant"
+      variants+=("$variant")
+    done
+    on_gpu 0 with_full timeout $(left) python3 tools/benchmark_train.py "${config_of[$name]}" "${variants[@]}" \
+        --rows ours:bf16 --iters ${BORROW_ITERS:-150} --steady-start $(( ${BORROW_ITERS:-150} / 2 + 1 )) \
+        --batch-size 2 --workers 4 --out-dir "$results/borrow_$name" > "$results/borrow_$name.log" 2>&1
+    tail -8 "$results/borrow_$name.log"
+  done
   ;;
 memory)
   wait_for_mmcv
