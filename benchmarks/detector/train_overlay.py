@@ -73,10 +73,11 @@ class Settings:
     profile_steps: int = 3
 
     def windows(self) -> Dict[str, Tuple[int, int]]:
-        """The timed windows by name: ``first`` (warm-up included), ``all`` and ``steady``."""
+        """The timed windows by name: ``first`` (warm-up included), ``first_100`` (the first 100 iterations, or all
+        of a shorter run), ``all`` and ``steady``."""
         steady_start = self.steady_start if self.steady_start is not None else self.iters // 2 + 1
-        windows = {"first": (1, min(self.first_iters, self.iters)), "all": (1, self.iters),
-                   "steady": (steady_start, self.iters)}
+        windows = {"first": (1, min(self.first_iters, self.iters)), "first_100": (1, min(100, self.iters)),
+                   "all": (1, self.iters), "steady": (steady_start, self.iters)}
         validate_windows(list(windows.values()))
         return windows
 

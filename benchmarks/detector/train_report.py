@@ -24,7 +24,8 @@ from .coco_source import CocoSource
 REPO_ROOT = Path(__file__).resolve().parents[2]
 REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
-              "all_img_s", "first_img_s", "all_over_steady", "compiled_total", "compiled_after_warmup",
+              "all_img_s", "first_img_s", "all_over_steady", "first_100_img_s", "first_100_over_steady",
+              "compiled_total", "compiled_after_warmup",
               "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib",
               "peak_reserved_mib", "graph_captures",
               "graph_first_call_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size",
@@ -77,7 +78,7 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
     """The figures of one row (None where the row failed or a window was not reached)."""
     metrics = dict(config=Path(result["config"]).name, row=result["row"], status=result["status"],
                    steady_img_s=None, steady_ms_per_iter=None, all_img_s=None, first_img_s=None,
-                   all_over_steady=None, compiled_total=None, compiled_after_warmup=None, batch_shapes=None,
+                   all_over_steady=None, first_100_img_s=None, first_100_over_steady=None, compiled_total=None, compiled_after_warmup=None, batch_shapes=None,
                    batch_shapes_after_warmup=None, padded_over_image_pixels=None, peak_allocated_mib=None,
                    peak_reserved_mib=None, speedup=None, amp_dtype=None, graph_captures=None,
                    graph_capture_seconds=None, graph_capture_phase_seconds=None, graph_fallbacks=None,
@@ -92,6 +93,7 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
         steady_ms_per_iter=figures["steady"].get("ms_per_iter"),
         all_img_s=figures["all"].get("img_per_s"),
         first_img_s=figures["first"].get("img_per_s"),
+        first_100_img_s=figures.get("first_100", {}).get("img_per_s"),
         compiled_total=timing.get("compiled_total"),
         compiled_after_warmup=timing.get("compiled_after_warmup"),
         batch_shapes=timing.get("batch_shapes"),
@@ -109,6 +111,8 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
                        graph_first_call_captures=graphed.get("first_call_captures"))
     if steady and metrics["all_img_s"]:
         metrics["all_over_steady"] = metrics["all_img_s"] / steady
+    if steady and metrics["first_100_img_s"]:
+        metrics["first_100_over_steady"] = metrics["first_100_img_s"] / steady
     metrics["split"] = iteration_split(timing.get("per_iteration") or [], windows["all"])
     return metrics
 
@@ -158,6 +162,8 @@ def markdown(report: dict) -> str:
     """The Markdown report: machine line, settings, the table, and the log tail of every failed row."""
     windows = report["settings"]["windows"]
     first, whole, steady = (windows[n] for n in ("first", "all", "steady"))
+    # The ramp-up column: the first 100 iterations where the run has that window (the issue's measure), else all.
+    ramp, ramp_key = (windows["first_100"], "first_100") if "first_100" in windows else (whole, "all")
     settings = report["settings"]
     lines = [
         f"**Machine:** {machine_line(report['machine'])}",
@@ -168,7 +174,7 @@ def markdown(report: dict) -> str:
         f"iterations {steady[0]}-{steady[1]}.",
         "",
         f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
-        f"| img/s it {whole[0]}-{whole[1]} | img/s it {first[0]}-{first[1]} | {whole[0]}-{whole[1]} / steady "
+        f"| img/s it {ramp[0]}-{ramp[1]} | img/s it {first[0]}-{first[1]} | {ramp[0]}-{ramp[1]} / steady "
         f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "
         f"| graph captures (host s: under capture, instantiating; at a shape's first call; signatures run eagerly) "
         f"| padded px / image px "
@@ -192,8 +198,8 @@ def markdown(report: dict) -> str:
             f"{m['peak_allocated_mib']:.0f} ({_fmt(m.get('peak_reserved_mib'), '.0f')})")
         lines.append(
             f"| {m['config']} | {m['row']} | {m['status']} | {_fmt(m['steady_img_s'])} "
-            f"| {_fmt(m['steady_ms_per_iter'], '.1f')} | {_fmt(m['all_img_s'])} | {_fmt(m['first_img_s'])} "
-            f"| {_fmt(m['all_over_steady'])} | {compiled} | {shapes} | {captures} "
+            f"| {_fmt(m['steady_ms_per_iter'], '.1f')} | {_fmt(m[ramp_key + '_img_s'])} | {_fmt(m['first_img_s'])} "
+            f"| {_fmt(m[ramp_key + '_over_steady'])} | {compiled} | {shapes} | {captures} "
             f"| {_fmt(m['padded_over_image_pixels'])} "
             f"| {memory} "
             f"| {_fmt(m['speedup'], '.2f', 'x')} |")

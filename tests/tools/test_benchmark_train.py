@@ -182,9 +182,12 @@ def test_row_commands_use_each_sides_script(tmp_path):
 
 
 def test_default_windows_follow_the_iterations():
-    assert user_path.Settings(iters=100).windows() == dict(first=(1, 20), all=(1, 100), steady=(51, 100))
+    assert user_path.Settings(iters=100).windows() == dict(first=(1, 20), first_100=(1, 100), all=(1, 100),
+                                                           steady=(51, 100))
+    assert user_path.Settings(iters=250, steady_start=151).windows() == dict(
+        first=(1, 20), first_100=(1, 100), all=(1, 250), steady=(151, 250))
     assert user_path.Settings(iters=3, first_iters=1, steady_start=2).windows() == dict(
-        first=(1, 1), all=(1, 3), steady=(2, 3))
+        first=(1, 1), first_100=(1, 3), all=(1, 3), steady=(2, 3))
     with pytest.raises(ValueError, match="first <= last"):
         user_path.Settings(iters=10, steady_start=11).windows()
 
@@ -377,7 +380,8 @@ def test_tiny_benchmark_runs_stock_and_our_rows(tmp_path, source, monkeypatch, c
     stock, ours = report["results"]
     for result in (stock, ours):
         assert result["status"] == "ok"
-        assert [w["img_per_s"] > 0 for w in result["timing"]["windows"]] == [True, True, True]
+        # first, first_100 (the whole of a 3-iteration run), all, steady
+        assert [w["img_per_s"] > 0 for w in result["timing"]["windows"]] == [True, True, True, True]
         assert result["timing"]["iterations_run"] == 3 and result["timing"]["images_run"] == 6
     assert stock["timing"]["deform_plugin_loaded"] is False
     assert list(stock["timing"]["msda_modules"]) == ["mmcv.ops.multi_scale_deform_attn.MultiScaleDeformableAttention"]
@@ -387,6 +391,7 @@ def test_tiny_benchmark_runs_stock_and_our_rows(tmp_path, source, monkeypatch, c
     assert rows[0]["speedup"] == pytest.approx(1.0) and rows[1]["speedup"] > 0
     markdown = (out_dir / "train_benchmark.md").read_text()
     assert "| stock:fp32 | ok |" in markdown and "| ours:fp32 | ok |" in markdown
+    assert "| img/s it 1-3 |" in markdown and "| 1-3 / steady |" in markdown  # a run shorter than 100 iterations
     assert "| stock:fp32 | ok |" in capsys.readouterr().out  # the table is printed too
     with open(out_dir / "train_benchmark.csv") as handle:
         assert [r["row"] for r in csv.DictReader(handle)] == ["stock:fp32", "ours:fp32"]
@@ -490,3 +495,22 @@ def test_the_step_profiler_profiles_only_its_iterations(tmp_path):
     assert not any(op in text for op in ("aten::mm", "aten::add", "aten::div", "aten::maximum"))
     trace = json.loads(gzip.open(tmp_path / "p" / "trace_rank0.json.gz").read())
     assert any(event.get("name") == "aten::sub" for event in trace["traceEvents"])
+
+
+def test_the_ramp_up_column_is_the_first_100_iterations_of_a_longer_run():
+    from benchmarks.detector import train_report
+    windows = dict(first=(1, 20), first_100=(1, 100), all=(1, 250), steady=(151, 250))
+    timing = dict(windows=[dict(first=1, last=100, img_per_s=15.0, ms_per_iter=133.3),
+                           dict(first=1, last=250, img_per_s=24.0, ms_per_iter=83.3),
+                           dict(first=151, last=250, img_per_s=37.5, ms_per_iter=53.3)])
+    row = train_report.row_metrics(dict(config="c.py", row="ours:bf16", status="ok", timing=timing), windows)
+    assert row["first_100_over_steady"] == pytest.approx(0.4) and row["all_over_steady"] == pytest.approx(0.64)
+    machine = dict(device="cpu", cuda=None, torch="torch ?", triton="triton ?", mmcv="mmcv ?", mmengine="mmengine ?",
+                   mmdet="mmdet ?", python="3", commit="abc")
+    report = dict(machine=machine, rows=[row], results=[],
+                  settings=dict(iters=250, batch_size=2, workers=1, windows={k: list(v) for k, v in windows.items()}),
+                  source=dict(images=4, seed=0))
+    lines = train_report.markdown(report).splitlines()
+    header = next(line for line in lines if line.startswith("| config |"))
+    assert "| img/s it 1-100 |" in header and "| 1-100 / steady |" in header
+    assert "| 37.50 | 53.3 | 15.00 | - | 0.40 |" in next(line for line in lines if "| ours:bf16 |" in line)
