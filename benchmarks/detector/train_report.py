@@ -78,7 +78,8 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
     """The figures of one row (None where the row failed or a window was not reached)."""
     metrics = dict(config=Path(result["config"]).name, row=result["row"], status=result["status"],
                    steady_img_s=None, steady_ms_per_iter=None, all_img_s=None, first_img_s=None,
-                   all_over_steady=None, first_100_img_s=None, first_100_over_steady=None, compiled_total=None, compiled_after_warmup=None, batch_shapes=None,
+                   all_over_steady=None, first_100_img_s=None, first_100_over_steady=None, compiled_total=None,
+                   compiled_after_warmup=None, batch_shapes=None,
                    batch_shapes_after_warmup=None, padded_over_image_pixels=None, peak_allocated_mib=None,
                    peak_reserved_mib=None, speedup=None, amp_dtype=None, graph_captures=None,
                    graph_capture_seconds=None, graph_capture_phase_seconds=None, graph_fallbacks=None,
