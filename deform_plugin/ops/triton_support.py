@@ -56,11 +56,6 @@ def alignment_bits(pointers) -> int:
     return bits
 
 
-def pointer_alignment_bits(*tensors: torch.Tensor) -> int:
-    """:func:`alignment_bits` of the tensors' data pointers."""
-    return alignment_bits(data_pointers(tensors))
-
-
 def _hook_set(hook) -> bool:
     # Triton keeps its launch hooks in chains (empty unless a profiler adds one); a plain callable may be set too.
     return hook is not None and bool(getattr(hook, "calls", True))
