@@ -8,7 +8,9 @@ With FUSED the kernels take the module's raw predictions instead of locations an
 offsets give the locations (mmcv's arithmetic, 2-d points or 4-d boxes), and the softmax over levels x points of the
 raw logits gives the weights, so neither intermediate tensor exists in memory.
 
-All address arithmetic is int64 (tensors may exceed 2^31 elements).
+Index arithmetic runs in INDEX_DTYPE: int32 where every tensor of the launch is small enough that no offset can
+overflow it (fewer registers and instructions, so more programs per SM), int64 otherwise (tensors may exceed 2^31
+elements).
 """
 from __future__ import annotations
 
@@ -30,26 +32,42 @@ def _softmax_stats(logit_ptr, sample_base, q_mask,
     exp_logits = tl.where(col_mask[None, :], tl.exp(logits - row_max[:, None]), 0.0)
     row_sum = tl.sum(exp_logits, axis=1)
     row_sum = tl.where(q_mask, row_sum, 1.0)
-    return row_max, row_sum
+    # One division per query; each sample's weight is then exp(logit - max) * inv_sum.
+    return row_max, 1.0 / row_sum
 
 
 @triton.jit
-def _sample_location(loc_ptr, ref_ptr, loc_offset, ref_offset, level_h, level_w, q_mask,
+def _level_reference(ref_ptr, ref_offset, level_h, level_w, q_mask,
                      FUSED: tl.constexpr, REF_DIM: tl.constexpr, NUM_POINTS: tl.constexpr, ACC_DTYPE: tl.constexpr):
-    # Returns the normalized location (x, y), plus the raw offsets (FUSED) that the backward needs.
-    raw_x = tl.load(loc_ptr + loc_offset, mask=q_mask, other=0.0).to(ACC_DTYPE)
-    raw_y = tl.load(loc_ptr + loc_offset + 1, mask=q_mask, other=0.0).to(ACC_DTYPE)
+    # FUSED: a level's reference point and the factors that turn a raw offset into a normalized location (mmcv:
+    # ref + offset / (w, h) for points; ref + offset / P * (box w, h) * 0.5 for boxes), loaded once per level
+    # rather than per point. A multiplication by a reciprocal differs from mmcv's division by at most one rounding.
     if FUSED:
         ref_x = tl.load(ref_ptr + ref_offset, mask=q_mask, other=0.0).to(ACC_DTYPE)
         ref_y = tl.load(ref_ptr + ref_offset + 1, mask=q_mask, other=0.0).to(ACC_DTYPE)
         if REF_DIM == 2:
-            loc_x = ref_x + raw_x / level_w
-            loc_y = ref_y + raw_y / level_h
+            scale_x = tl.zeros_like(ref_x) + 1.0 / level_w
+            scale_y = tl.zeros_like(ref_y) + 1.0 / level_h
         else:
-            box_w = tl.load(ref_ptr + ref_offset + 2, mask=q_mask, other=0.0).to(ACC_DTYPE)
-            box_h = tl.load(ref_ptr + ref_offset + 3, mask=q_mask, other=0.0).to(ACC_DTYPE)
-            loc_x = ref_x + raw_x / NUM_POINTS * box_w * 0.5
-            loc_y = ref_y + raw_y / NUM_POINTS * box_h * 0.5
+            scale_x = tl.load(ref_ptr + ref_offset + 2, mask=q_mask, other=0.0).to(ACC_DTYPE) * (0.5 / NUM_POINTS)
+            scale_y = tl.load(ref_ptr + ref_offset + 3, mask=q_mask, other=0.0).to(ACC_DTYPE) * (0.5 / NUM_POINTS)
+    else:
+        ref_x = tl.zeros_like(q_mask.to(ACC_DTYPE))
+        ref_y = ref_x
+        scale_x = ref_x
+        scale_y = ref_x
+    return ref_x, ref_y, scale_x, scale_y
+
+
+@triton.jit
+def _sample_location(loc_ptr, loc_offset, ref_x, ref_y, scale_x, scale_y, q_mask,
+                     FUSED: tl.constexpr, ACC_DTYPE: tl.constexpr):
+    # Returns the normalized location (x, y), plus the raw offsets (FUSED) that the backward needs.
+    raw_x = tl.load(loc_ptr + loc_offset, mask=q_mask, other=0.0).to(ACC_DTYPE)
+    raw_y = tl.load(loc_ptr + loc_offset + 1, mask=q_mask, other=0.0).to(ACC_DTYPE)
+    if FUSED:
+        loc_x = ref_x + raw_x * scale_x
+        loc_y = ref_y + raw_y * scale_y
     else:
         loc_x = raw_x
         loc_y = raw_y
@@ -73,23 +91,25 @@ def _pixel_coordinates(loc_x, loc_y, level_h, level_w):
 
 @triton.jit
 def _forward_level(acc, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, ref_ptr, value_base,
-                   row_stride, sample_base, batch, num_queries, query, q_mask, channel, tile_mask, row_max, row_sum,
+                   row_stride, sample_base, batch, num_queries, query, q_mask, channel, tile_mask, row_max, inv_sum,
                    NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
-                   ACC_DTYPE: tl.constexpr):
+                   ACC_DTYPE: tl.constexpr, INDEX_DTYPE: tl.constexpr):
     # All points of one level: 4 corner gathers of [BLOCK_Q, BLOCK_D] per point, accumulated into acc.
     level_h = tl.load(shapes_ptr + 2 * level).to(tl.int32)
     level_w = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
-    level_start = tl.load(starts_ptr + level).to(tl.int64)
+    level_start = tl.load(starts_ptr + level).to(INDEX_DTYPE)
     level_hf = level_h.to(ACC_DTYPE)
     level_wf = level_w.to(ACC_DTYPE)
     ref_offset = ((batch * num_queries + query) * NUM_LEVELS + level) * REF_DIM
+    ref_x, ref_y, scale_x, scale_y = _level_reference(ref_ptr, ref_offset, level_hf, level_wf, q_mask, FUSED,
+                                                      REF_DIM, NUM_POINTS, ACC_DTYPE)
     for point in tl.static_range(NUM_POINTS):
         sample = sample_base + level * NUM_POINTS + point
-        loc_x, loc_y, _, _ = _sample_location(loc_ptr, ref_ptr, sample * 2, ref_offset, level_hf, level_wf,
-                                              q_mask, FUSED, REF_DIM, NUM_POINTS, ACC_DTYPE)
+        loc_x, loc_y, _, _ = _sample_location(loc_ptr, sample * 2, ref_x, ref_y, scale_x, scale_y, q_mask, FUSED,
+                                              ACC_DTYPE)
         weight = tl.load(weight_ptr + sample, mask=q_mask, other=0.0).to(ACC_DTYPE)
         if FUSED:
-            weight = tl.exp(weight - row_max) / row_sum
+            weight = tl.exp(weight - row_max) * inv_sum
         taken, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
         for corner in tl.static_range(4):
             dx = corner % 2
@@ -99,7 +119,7 @@ def _forward_level(acc, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, weigh
             inside = taken & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
             wx = frac_x if dx == 1 else 1.0 - frac_x
             wy = frac_y if dy == 1 else 1.0 - frac_y
-            key = level_start + (cy * level_w + cx).to(tl.int64)
+            key = level_start + (cy * level_w + cx).to(INDEX_DTYPE)
             rows = tl.load(value_ptr + value_base + key[:, None] * row_stride + channel[None, :],
                            mask=tile_mask & inside[:, None], other=0.0).to(ACC_DTYPE)
             acc += (weight * wx * wy)[:, None] * rows
@@ -120,10 +140,11 @@ def msda_forward_kernel(
     num_keys, num_queries, num_heads, head_dim,
     NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    INDEX_DTYPE: tl.constexpr,
 ):
-    pid_q = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
+    pid_q = tl.program_id(0).to(INDEX_DTYPE)
+    head = tl.program_id(1).to(INDEX_DTYPE)
+    batch = tl.program_id(2).to(INDEX_DTYPE)
     NUM_LP: tl.constexpr = NUM_LEVELS * NUM_POINTS
 
     query = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -136,17 +157,18 @@ def msda_forward_kernel(
     sample_base = query_row * NUM_LP
 
     if FUSED:
-        row_max, row_sum = _softmax_stats(weight_ptr, sample_base, q_mask, NUM_LP, BLOCK_LP, ACC_DTYPE)
+        row_max, inv_sum = _softmax_stats(weight_ptr, sample_base, q_mask, NUM_LP, BLOCK_LP, ACC_DTYPE)
     else:
         row_max = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
-        row_sum = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+        inv_sum = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
 
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
     # A run-time level loop: unrolling it (tl.static_range) measured 4-9% slower on an H200 (docs/kernels.md).
     for level in range(NUM_LEVELS):
         acc = _forward_level(acc, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, ref_ptr,
                              value_base, row_stride, sample_base, batch, num_queries, query, q_mask, channel,
-                             tile_mask, row_max, row_sum, NUM_LEVELS, NUM_POINTS, REF_DIM, FUSED, ACC_DTYPE)
+                             tile_mask, row_max, inv_sum, NUM_LEVELS, NUM_POINTS, REF_DIM, FUSED, ACC_DTYPE,
+                             INDEX_DTYPE)
     out_offset = query_row[:, None] * head_dim + channel[None, :]
     tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
@@ -170,10 +192,11 @@ def msda_backward_kernel(
     NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr,
+    INDEX_DTYPE: tl.constexpr,
 ):
-    pid_q = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
+    pid_q = tl.program_id(0).to(INDEX_DTYPE)
+    head = tl.program_id(1).to(INDEX_DTYPE)
+    batch = tl.program_id(2).to(INDEX_DTYPE)
     NUM_LP: tl.constexpr = NUM_LEVELS * NUM_POINTS
 
     query = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -188,20 +211,17 @@ def msda_backward_kernel(
                        mask=tile_mask, other=0.0).to(ACC_DTYPE)
 
     if FUSED:
-        row_max, row_sum = _softmax_stats(weight_ptr, sample_base, q_mask, NUM_LP, BLOCK_LP, ACC_DTYPE)
-        lp_cols = tl.arange(0, BLOCK_LP)
-        # Softmax backward needs every grad of the weights of a query before the first can be written:
-        # keep weights and their grads as [BLOCK_Q, BLOCK_LP] register tiles.
-        weight_tile = tl.zeros((BLOCK_Q, BLOCK_LP), dtype=ACC_DTYPE)
-        grad_weight_tile = tl.zeros((BLOCK_Q, BLOCK_LP), dtype=ACC_DTYPE)
+        row_max, inv_sum = _softmax_stats(weight_ptr, sample_base, q_mask, NUM_LP, BLOCK_LP, ACC_DTYPE)
 
     for level in range(NUM_LEVELS):
         level_h = tl.load(shapes_ptr + 2 * level).to(tl.int32)
         level_w = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
-        level_start = tl.load(starts_ptr + level).to(tl.int64)
+        level_start = tl.load(starts_ptr + level).to(INDEX_DTYPE)
         level_hf = level_h.to(ACC_DTYPE)
         level_wf = level_w.to(ACC_DTYPE)
         ref_offset = ((batch * num_queries + query) * NUM_LEVELS + level) * REF_DIM
+        ref_x, ref_y, scale_x, scale_y = _level_reference(ref_ptr, ref_offset, level_hf, level_wf, q_mask, FUSED,
+                                                          REF_DIM, NUM_POINTS, ACC_DTYPE)
         if FUSED:
             grad_ref_x = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
             grad_ref_y = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
@@ -209,16 +229,18 @@ def msda_backward_kernel(
             grad_box_h = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
         for point in tl.static_range(NUM_POINTS):
             sample = sample_base + level * NUM_POINTS + point
-            loc_x, loc_y, raw_x, raw_y = _sample_location(loc_ptr, ref_ptr, sample * 2, ref_offset, level_hf,
-                                                          level_wf, q_mask, FUSED, REF_DIM, NUM_POINTS, ACC_DTYPE)
+            loc_x, loc_y, raw_x, raw_y = _sample_location(loc_ptr, sample * 2, ref_x, ref_y, scale_x, scale_y,
+                                                          q_mask, FUSED, ACC_DTYPE)
             weight = tl.load(weight_ptr + sample, mask=q_mask, other=0.0).to(ACC_DTYPE)
             if FUSED:
-                weight = tl.exp(weight - row_max) / row_sum
+                weight = tl.exp(weight - row_max) * inv_sum
             taken, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
-            # d(sampled)/d(frac_x) and d/d(frac_y), contracted with grad_out over channels as they accumulate.
-            sampled = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
-            d_frac_x = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
-            d_frac_y = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
+            # Per corner, the row's dot product with grad_out: the weight gradient and the two bilinear derivatives
+            # are linear in it, so no [BLOCK_Q, BLOCK_D] accumulator stays live across corners (registers decide
+            # how many programs an SM holds, and this gather-and-scatter loop needs many in flight).
+            grad_weight = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+            grad_frac_x = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+            grad_frac_y = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
             for corner in tl.static_range(4):
                 dx = corner % 2
                 dy = corner // 2
@@ -227,15 +249,20 @@ def msda_backward_kernel(
                 inside = taken & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
                 wx = frac_x if dx == 1 else 1.0 - frac_x
                 wy = frac_y if dy == 1 else 1.0 - frac_y
-                key = level_start + (cy * level_w + cx).to(tl.int64)
+                key = level_start + (cy * level_w + cx).to(INDEX_DTYPE)
                 row_offset = value_base + key[:, None] * row_stride + channel[None, :]
                 corner_mask = tile_mask & inside[:, None]
                 rows = tl.load(value_ptr + row_offset, mask=corner_mask, other=0.0).to(ACC_DTYPE)
-                sampled += (wx * wy)[:, None] * rows
-                sign_x = 1.0 if dx == 1 else -1.0
-                sign_y = 1.0 if dy == 1 else -1.0
-                d_frac_x += (sign_x * wy)[:, None] * rows
-                d_frac_y += (sign_y * wx)[:, None] * rows
+                dot = tl.sum(grad_out * rows, axis=1)
+                grad_weight += (wx * wy) * dot
+                if dx == 1:
+                    grad_frac_x += wy * dot
+                else:
+                    grad_frac_x -= wy * dot
+                if dy == 1:
+                    grad_frac_y += wx * dot
+                else:
+                    grad_frac_y -= wx * dot
                 coef = weight * wx * wy
                 if DETERMINISTIC:
                     entry = sample * 4 + corner
@@ -245,10 +272,9 @@ def msda_backward_kernel(
                 else:
                     tl.atomic_add(grad_value_ptr + row_offset, coef[:, None] * grad_out, mask=corner_mask,
                                   sem="relaxed")
-            grad_weight = tl.sum(grad_out * sampled, axis=1)
             # Chain rule through pixel = loc * size - 0.5; zero where the sample was not taken.
-            grad_pixel_x = tl.where(taken, weight * tl.sum(grad_out * d_frac_x, axis=1), 0.0)
-            grad_pixel_y = tl.where(taken, weight * tl.sum(grad_out * d_frac_y, axis=1), 0.0)
+            grad_pixel_x = tl.where(taken, weight * grad_frac_x, 0.0)
+            grad_pixel_y = tl.where(taken, weight * grad_frac_y, 0.0)
             grad_loc_x = grad_pixel_x * level_wf
             grad_loc_y = grad_pixel_y * level_hf
             if FUSED:
@@ -257,23 +283,19 @@ def msda_backward_kernel(
                     grad_raw_x = grad_pixel_x
                     grad_raw_y = grad_pixel_y
                 else:
-                    box_w = tl.load(ref_ptr + ref_offset + 2, mask=q_mask, other=0.0).to(ACC_DTYPE)
-                    box_h = tl.load(ref_ptr + ref_offset + 3, mask=q_mask, other=0.0).to(ACC_DTYPE)
-                    grad_raw_x = grad_loc_x * box_w * (0.5 / NUM_POINTS)
-                    grad_raw_y = grad_loc_y * box_h * (0.5 / NUM_POINTS)
+                    grad_raw_x = grad_loc_x * scale_x
+                    grad_raw_y = grad_loc_y * scale_y
                     grad_box_w += grad_loc_x * raw_x * (0.5 / NUM_POINTS)
                     grad_box_h += grad_loc_y * raw_y * (0.5 / NUM_POINTS)
                 grad_ref_x += grad_loc_x
                 grad_ref_y += grad_loc_y
                 tl.store(grad_loc_ptr + sample * 2, grad_raw_x, mask=q_mask)
                 tl.store(grad_loc_ptr + sample * 2 + 1, grad_raw_y, mask=q_mask)
-                column = level * NUM_POINTS + point
-                weight_tile = tl.where(lp_cols[None, :] == column, weight[:, None], weight_tile)
-                grad_weight_tile = tl.where(lp_cols[None, :] == column, grad_weight[:, None], grad_weight_tile)
             else:
                 tl.store(grad_loc_ptr + sample * 2, grad_loc_x, mask=q_mask)
                 tl.store(grad_loc_ptr + sample * 2 + 1, grad_loc_y, mask=q_mask)
-                tl.store(grad_weight_ptr + sample, grad_weight, mask=q_mask)
+            # FUSED: the gradient of the weight, which the softmax backward below turns into the logit's.
+            tl.store(grad_weight_ptr + sample, grad_weight, mask=q_mask)
         if FUSED:
             grad_ref_offset = (query_row * NUM_LEVELS + level) * REF_DIM
             tl.store(grad_ref_ptr + grad_ref_offset, grad_ref_x, mask=q_mask)
@@ -282,11 +304,18 @@ def msda_backward_kernel(
                 tl.store(grad_ref_ptr + grad_ref_offset + 2, grad_box_w, mask=q_mask)
                 tl.store(grad_ref_ptr + grad_ref_offset + 3, grad_box_h, mask=q_mask)
     if FUSED:
-        # Softmax backward: d logit_j = w_j * (g_j - sum_k w_k g_k).
-        weighted_sum = tl.sum(weight_tile * grad_weight_tile, axis=1)
-        grad_logits = weight_tile * (grad_weight_tile - weighted_sum[:, None])
-        tl.store(grad_weight_ptr + sample_base[:, None] + lp_cols[None, :], grad_logits,
-                 mask=q_mask[:, None] & (lp_cols < NUM_LP)[None, :])
+        # Softmax backward, d logit_j = w_j * (g_j - sum_k w_k g_k), needs all L*P weight gradients of a query:
+        # they went to memory above (float32) rather than staying live in registers through the gather loop, and
+        # come back as one [BLOCK_Q, BLOCK_LP] tile once every thread of the program has stored its own.
+        tl.debug_barrier()
+        lp_cols = tl.arange(0, BLOCK_LP)
+        lp_offset = sample_base[:, None] + lp_cols[None, :]
+        lp_mask = q_mask[:, None] & (lp_cols < NUM_LP)[None, :]
+        logits = tl.load(weight_ptr + lp_offset, mask=lp_mask, other=float("-inf")).to(ACC_DTYPE)
+        weights = tl.exp(logits - row_max[:, None]) * inv_sum[:, None]
+        grad_weights = tl.load(grad_weight_ptr + lp_offset, mask=lp_mask, other=0.0).to(ACC_DTYPE)
+        weighted_sum = tl.sum(weights * grad_weights, axis=1)
+        tl.store(grad_weight_ptr + lp_offset, weights * (grad_weights - weighted_sum[:, None]), mask=lp_mask)
 
 
 @triton.jit

@@ -22,6 +22,9 @@ from .triton_kernels import msda_backward_kernel, msda_forward_kernel, msda_grad
 # Entries of the deterministic grad_value reduction handled per step of its loop.
 _SEGMENT_BLOCK_E = 16
 _INT32_MAX = 2 ** 31 - 1
+# Tensors of at most this many elements index in int32: the kernels' offsets stay within a few rows of a tensor's
+# extent (masked lanes, corners just outside a level), far below 2^31.
+_INT32_INDEX_MAX_NUMEL = 2 ** 30
 
 _forward_launches = DirectLaunches(msda_forward_kernel)
 _backward_launches = DirectLaunches(msda_backward_kernel)
@@ -39,15 +42,17 @@ class LaunchConfig:
 
 @functools.lru_cache(maxsize=None)
 def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optional[int] = None) -> LaunchConfig:
-    """Blocks of about 1K elements ([32 queries x 32 channels] at head_dim 32), 4 warps, with overrides for tuning.
+    """Blocks of about 512 elements ([16 queries x 32 channels] at head_dim 32), 2 warps, with overrides for tuning.
 
-    Measured on an H200 (docs/kernels.md): small tiles win in both directions, since many resident programs keep
-    more independent gathers in flight than a large tile per program does; 128 x 32 tiles were 1.2-2x slower.
+    Measured on an H200 (docs/kernels.md): small tiles win, since many resident programs keep more independent
+    gathers in flight than a large tile per program does. 16 x 32 with 2 warps equals 32 x 32 with 4 warps for the
+    plain op and makes the fused forward 1.5-1.8x faster (its softmax statistics tile maps onto the smaller
+    program better); 128 x 32 tiles were 1.2-2x slower. Register caps (``maxnreg`` 64-96) did not help.
     The blocks depend on head_dim only, never on the query count: a new image size must not compile a new variant.
     """
     block_d = next_power_of_2(head_dim)
     if block_q is None:
-        block_q = max(1, 1024 // block_d)
+        block_q = max(1, 512 // block_d)
     if num_warps is None:
         num_warps = max(1, min(8, block_q * block_d // 256))
     return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
@@ -55,6 +60,13 @@ def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optio
 
 def _accumulator_dtype(value: torch.Tensor):
     return tl.float64 if value.dtype == torch.float64 else tl.float32
+
+
+def _index_dtype(value: torch.Tensor, samples: torch.Tensor, output: torch.Tensor):
+    # The largest tensors a launch indexes: value (and grad_value), the output (or its gradient), and the
+    # per-sample ones (locations; the deterministic backward's per-corner entries, twice as many).
+    largest = max(value.numel(), output.numel(), 2 * samples.numel())
+    return tl.int32 if largest <= _INT32_INDEX_MAX_NUMEL else tl.int64
 
 
 def _grad_value_buffer_dtype(value: torch.Tensor) -> torch.dtype:
@@ -113,7 +125,8 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
     grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
     tensors = (value, shapes, starts, samples, sample_weights, reference_points if fused else samples, output)
     constexprs = (num_levels, num_points, reference_points.shape[-1] if fused else 2, fused, config.block_q,
-                  config.block_d, next_power_of_2(num_levels * num_points), _accumulator_dtype(value))
+                  config.block_d, next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
+                  _index_dtype(value, samples, output))
     with launch_device(value):
         _launch(_forward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
     return output
@@ -161,14 +174,17 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     ref_dim = reference_points.shape[-1] if fused else 2
 
     grad_samples = torch.empty_like(samples)
-    # The fused softmax backward keeps a query's L*P weight grads in registers and writes the logits' grads once.
-    grad_sample_weights = torch.empty_like(sample_weights)
     buffer_dtype = _grad_value_buffer_dtype(value)
+    # The fused kernel stores each weight's gradient and reads a query's L*P of them back for the softmax
+    # backward, whose subtraction cancels: they stay in float32 (or float64) until the logits' gradient is final.
+    fused_weights_scratch = fused and sample_weights.dtype not in (torch.float32, torch.float64)
+    grad_sample_weights = (torch.empty(sample_weights.shape, device=value.device, dtype=torch.float32)
+                           if fused_weights_scratch else torch.empty_like(sample_weights))
     grad_ref_per_head = (torch.empty((batch, num_queries, num_heads, num_levels, ref_dim), device=value.device,
                                      dtype=buffer_dtype) if fused else None)
     if grad_output.numel() == 0 or value.numel() == 0:
         grad_reference = torch.zeros_like(reference_points) if fused else None
-        return torch.zeros_like(value), grad_samples.zero_(), grad_sample_weights.zero_(), grad_reference
+        return torch.zeros_like(value), grad_samples.zero_(), torch.zeros_like(sample_weights), grad_reference
 
     num_entries = batch * num_queries * num_heads * num_levels * num_points * 4
     if deterministic:
@@ -189,7 +205,8 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
                grad_ref_per_head if fused else unused, entry_keys if deterministic else unused,
                entry_coefs if deterministic else unused)
     constexprs = (num_levels, num_points, ref_dim, fused, deterministic, config.block_q, config.block_d,
-                  next_power_of_2(num_levels * num_points), _accumulator_dtype(value))
+                  next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
+                  _index_dtype(value, samples, grad_output))
     with launch_device(value):
         _launch(_backward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
         if deterministic:
@@ -198,6 +215,8 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
         else:
             grad_value = grad_value_accum.to(value.dtype)
     grad_reference = grad_ref_per_head.sum(2).to(reference_points.dtype) if fused else None
+    if fused_weights_scratch:
+        grad_sample_weights = grad_sample_weights.to(sample_weights.dtype)
     return grad_value, grad_samples, grad_sample_weights, grad_reference
 
 

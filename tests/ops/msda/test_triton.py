@@ -384,6 +384,50 @@ def test_fused_deterministic_backward_is_bit_identical():
         assert torch.equal(a, b)
 
 
+def test_index_dtype_follows_the_largest_tensor():
+    """int32 index arithmetic only where no tensor of the launch can overflow it (meta tensors: no memory)."""
+    from deform_plugin.ops.msda.triton_launch import _INT32_INDEX_MAX_NUMEL, _index_dtype
+
+    def meta(numel):
+        return torch.empty(numel, device="meta")
+    small, large = meta(1000), meta(_INT32_INDEX_MAX_NUMEL + 1)
+    assert _index_dtype(small, small, small) == triton.language.int32
+    assert _index_dtype(large, small, small) == triton.language.int64
+    assert _index_dtype(small, small, large) == triton.language.int64
+    # The deterministic backward writes two entries per location element.
+    assert _index_dtype(small, meta(_INT32_INDEX_MAX_NUMEL // 2 + 1), small) == triton.language.int64
+    assert _index_dtype(small, meta(_INT32_INDEX_MAX_NUMEL // 2), small) == triton.language.int32
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_int64_indexing_gives_the_same_results(fused, monkeypatch):
+    """The int64 variant (for tensors past 2^30 elements) computes what the int32 one does: exactly, but for the
+    order in which a GPU's atomics add into grad_value."""
+    from deform_plugin.ops.msda import triton_launch
+
+    if fused:
+        case = make_fused_case([(6, 7), (3, 4)], 2, 5, 2, 8, 2, 4, torch.float32, seed=5)
+        value, shapes, starts, extra = case[0], case[1], case[2], case[3:]
+        forward, backward = triton_launch.fused_msda_forward, triton_launch.fused_msda_backward
+    else:
+        value, shapes, starts, *extra = make_case([(6, 7), (3, 4)], 2, 5, 2, 8, 2, torch.float32, seed=5)
+        forward, backward = triton_launch.msda_forward, triton_launch.msda_backward
+    grad_output = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def run(config=None):
+        return (forward(value, shapes, starts, *extra, config=config),
+                *backward(grad_output, value, shapes, starts, *extra, config=config))
+    int32_results = run()
+    monkeypatch.setattr(triton_launch, "_INT32_INDEX_MAX_NUMEL", 0)
+    int64_results = run()
+    grad_value_index = 1
+    for index, (a, b) in enumerate(zip(int32_results, int64_results)):
+        if index == grad_value_index and ON_GPU:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(a, b)
+
+
 class TinyMSDA(torch.nn.Module):
     """The smallest module that predicts offsets and logits and calls both ops, as the encoder layer does."""
 
