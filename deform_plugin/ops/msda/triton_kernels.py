@@ -235,12 +235,21 @@ def msda_backward_kernel(
             if FUSED:
                 weight = tl.exp(weight - row_max) * inv_sum
             taken, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
-            # Per corner, the row's dot product with grad_out: the weight gradient and the two bilinear derivatives
-            # are linear in it, so no [BLOCK_Q, BLOCK_D] accumulator stays live across corners (registers decide
-            # how many programs an SM holds, and this gather-and-scatter loop needs many in flight).
-            grad_weight = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
-            grad_frac_x = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
-            grad_frac_y = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+            # The weight gradient and the two bilinear derivatives are linear in the corner rows. The fused kernel
+            # contracts each row with grad_out as it arrives (one [BLOCK_Q] dot per corner, no [BLOCK_Q, BLOCK_D]
+            # accumulator live across corners): with its softmax and reference-point work it is register-bound,
+            # and fewer registers let an SM hold more programs. The plain kernel accumulates the rows and
+            # contracts three tiles per sample: per-corner dots lengthen each sample's dependent chain, which made
+            # decoder-sized calls (few programs, latency-bound) ~20 us slower on an H200 and encoder-sized ones no
+            # faster (docs/kernels.md).
+            if FUSED:
+                grad_weight = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+                grad_frac_x = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+                grad_frac_y = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
+            else:
+                sampled = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
+                d_frac_x = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
+                d_frac_y = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
             for corner in tl.static_range(4):
                 dx = corner % 2
                 dy = corner // 2
@@ -249,20 +258,21 @@ def msda_backward_kernel(
                 inside = taken & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
                 wx = frac_x if dx == 1 else 1.0 - frac_x
                 wy = frac_y if dy == 1 else 1.0 - frac_y
+                sign_x = 1.0 if dx == 1 else -1.0
+                sign_y = 1.0 if dy == 1 else -1.0
                 key = level_start + (cy * level_w + cx).to(INDEX_DTYPE)
                 row_offset = value_base + key[:, None] * row_stride + channel[None, :]
                 corner_mask = tile_mask & inside[:, None]
                 rows = tl.load(value_ptr + row_offset, mask=corner_mask, other=0.0).to(ACC_DTYPE)
-                dot = tl.sum(grad_out * rows, axis=1)
-                grad_weight += (wx * wy) * dot
-                if dx == 1:
-                    grad_frac_x += wy * dot
+                if FUSED:
+                    dot = tl.sum(grad_out * rows, axis=1)
+                    grad_weight += (wx * wy) * dot
+                    grad_frac_x += (sign_x * wy) * dot
+                    grad_frac_y += (sign_y * wx) * dot
                 else:
-                    grad_frac_x -= wy * dot
-                if dy == 1:
-                    grad_frac_y += wx * dot
-                else:
-                    grad_frac_y -= wx * dot
+                    sampled += (wx * wy)[:, None] * rows
+                    d_frac_x += (sign_x * wy)[:, None] * rows
+                    d_frac_y += (sign_y * wx)[:, None] * rows
                 coef = weight * wx * wy
                 if DETERMINISTIC:
                     entry = sample * 4 + corner
@@ -272,6 +282,10 @@ def msda_backward_kernel(
                 else:
                     tl.atomic_add(grad_value_ptr + row_offset, coef[:, None] * grad_out, mask=corner_mask,
                                   sem="relaxed")
+            if not FUSED:
+                grad_weight = tl.sum(grad_out * sampled, axis=1)
+                grad_frac_x = tl.sum(grad_out * d_frac_x, axis=1)
+                grad_frac_y = tl.sum(grad_out * d_frac_y, axis=1)
             # Chain rule through pixel = loc * size - 0.5; zero where the sample was not taken.
             grad_pixel_x = tl.where(taken, weight * grad_frac_x, 0.0)
             grad_pixel_y = tl.where(taken, weight * grad_frac_y, 0.0)
