@@ -211,30 +211,60 @@ def forward_backward_memory_mb(fn, inputs) -> float:
 # Tuning sweep
 # ---------------------------------------------------------------------------------------------------------------------
 
-def tune(case_names, dtype_names, dists) -> None:
-    """Forward and backward median ms of the Triton launchers under a few launch configurations."""
-    import triton
+# (queries per program, warps, pipelining stages) that the sweep times; choose_config's default is (16, 2, 1).
+TUNE_CONFIGS = ((8, 1, 1), (16, 2, 1), (32, 4, 1), (32, 4, 2), (64, 8, 1), (128, 4, 1))
 
+
+def fused_inputs(case: Case, dtype: torch.dtype, locations: torch.Tensor, device="cuda"):
+    """(reference points, offsets, logits) for the fused launchers: each query's reference point (encoder-like
+    cases) or a random box (decoder cases), offsets ~2 px as the module predicts at initialisation."""
+    generator = torch.Generator(device=device).manual_seed(1)
+    levels = len(case.levels)
+    ref = reference_points(case, generator, device)[:, :, None, :].expand(-1, -1, levels, -1).contiguous()
+    if not case.encoder_like:  # boxes (cx, cy, w, h), as the decoders pass them
+        ref = torch.cat([ref, 0.05 + 0.3 * torch.rand(ref.shape, generator=generator, device=device)], -1)
+    offsets = 2.0 * torch.randn(locations.shape, generator=generator, device=device)
+    logits = torch.randn(locations.shape[:-1], generator=generator, device=device)
+    return ref.to(dtype), offsets.to(dtype), logits.to(dtype)
+
+
+def tune(case_names, dtype_names, dists, rep: int = 100, device="cuda", cases=None) -> List[dict]:
+    """Median ms of the Triton launchers (plain and fused, forward and backward) under each of ``TUNE_CONFIGS``:
+    kernel time without the public entry's host path. Prints one line per case, dtype and distribution."""
     from deform_plugin.ops.msda import triton_launch
+    from deform_plugin.ops.triton_support import next_power_of_2
 
-    configs = [(16, 2, 1), (32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1), (128, 4, 1)]
+    cases = cases or CASES
+    rows = []
     for name in case_names:
-        case = CASES[name]
+        case = cases[name]
         for dtype_name in dtype_names:
             for dist in dists:
-                value, shapes, starts, locations, weights = make_inputs(case, DTYPES[dtype_name], dist)
+                value, shapes, starts, locations, weights = make_inputs(case, DTYPES[dtype_name], dist, device=device)
+                ref, offsets, logits = fused_inputs(case, value.dtype, locations, device=device)
                 grad_output = torch.randn(case.batch, case.num_queries, case.heads * case.head_dim,
                                           device=value.device, dtype=value.dtype)
                 line = [f"{name} {dtype_name} {dist}:"]
-                for block_q, warps, stages in configs:
-                    config = triton_launch.LaunchConfig(block_q, triton.next_power_of_2(case.head_dim), warps,
+                for block_q, warps, stages in TUNE_CONFIGS:
+                    config = triton_launch.LaunchConfig(block_q, next_power_of_2(case.head_dim), warps,
                                                         num_stages=stages)
-                    fwd = do_bench(lambda: triton_launch.msda_forward(
-                        value, shapes, starts, locations, weights, config=config))[0]
-                    bwd = do_bench(lambda: triton_launch.msda_backward(
-                        grad_output, value, shapes, starts, locations, weights, config=config))[0]
-                    line.append(f"bq{block_q}w{warps}s{stages} fwd {fwd:.3f} bwd {bwd:.3f}")
+                    launches = {
+                        "fwd": lambda: triton_launch.msda_forward(value, shapes, starts, locations, weights,
+                                                                  config=config),
+                        "bwd": lambda: triton_launch.msda_backward(grad_output, value, shapes, starts, locations,
+                                                                   weights, config=config),
+                        "fused fwd": lambda: triton_launch.fused_msda_forward(value, shapes, starts, ref, offsets,
+                                                                              logits, config=config),
+                        "fused bwd": lambda: triton_launch.fused_msda_backward(grad_output, value, shapes, starts,
+                                                                               ref, offsets, logits, config=config),
+                    }
+                    times = {kernel: do_bench(run, device=value.device, rep=rep)[0]
+                             for kernel, run in launches.items()}
+                    rows.append(dict(case=name, dtype=dtype_name, dist=dist, block_q=block_q, warps=warps,
+                                     stages=stages, **{f"{kernel} ms": ms for kernel, ms in times.items()}))
+                    line.append(f"bq{block_q}w{warps}s{stages} " + " ".join(f"{k} {v:.3f}" for k, v in times.items()))
                 print(" | ".join(line), flush=True)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -327,7 +357,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--baseline", choices=("stock", "reference"), default="stock",
                         help="stock mmcv op when importable (falls back to the reference), or our reference")
     parser.add_argument("--out", default="bench_results", help="folder for msda_bench.csv and msda_bench.png")
-    parser.add_argument("--tune", action="store_true", help="sweep Triton launch configurations instead")
+    parser.add_argument("--tune", action="store_true",
+                        help="time the Triton launchers (plain and fused) under TUNE_CONFIGS instead")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement (ms)")
     return parser
 
@@ -343,7 +374,7 @@ def main(argv=None, description: Optional[str] = None) -> int:
     machine = machine_line(machine_info(torch.device("cuda")))
     print(machine, flush=True)
     if args.tune:
-        tune(case_names, dtype_names, dists)
+        tune(case_names, dtype_names, dists, rep=args.rep)
         return 0
 
     from benchmarks.ops.floors import measure_copy_bandwidth
