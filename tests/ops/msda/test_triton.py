@@ -299,7 +299,7 @@ def fused_reference(value, spatial_shapes, level_start_index, reference, offsets
 
 
 @pytest.mark.parametrize("ref_dim", [2, 4], ids=["points2d", "boxes4d"])
-@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype_name", ["fp32", "fp16", "bf16"])
 def test_fused_path_matches_reference(ref_dim, dtype_name):
     dtype = DTYPES[dtype_name]
     levels = [(6, 7), (3, 4), (1, 2)] if not ON_GPU else ENCODER_LEVELS
