@@ -211,7 +211,7 @@ def forward_backward_memory_mb(fn, inputs) -> float:
 # Tuning sweep
 # ---------------------------------------------------------------------------------------------------------------------
 
-# (queries per program, warps, pipelining stages) that the sweep times; choose_config's default is (16, 2, 1).
+# (queries per program, warps, pipelining stages) that the sweep times; choose_config's default is (8, 1, 1).
 TUNE_CONFIGS = ((8, 1, 1), (16, 2, 1), (32, 4, 1), (32, 4, 2), (64, 8, 1), (128, 4, 1))
 
 

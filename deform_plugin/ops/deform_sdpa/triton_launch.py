@@ -21,7 +21,11 @@ from .triton_kernels import (
 )
 
 AUTOTUNE_ENV = "DEFORM_PLUGIN_SDPA_AUTOTUNE"
-HEURISTIC_NUM_WARPS = 4
+# Warps per program of the default launch. One warp keeps the forward's per-block score and value reductions inside
+# the warp (no shared-memory round trip per block of samples); the backward's larger live state prefers two. Both
+# were the autotuner's choice at the seed's configuration on an H100 (docs/deform_sdpa.md).
+FORWARD_NUM_WARPS = 1
+BACKWARD_NUM_WARPS = 2
 
 
 def autotune_enabled() -> bool:
@@ -31,9 +35,9 @@ def autotune_enabled() -> bool:
 
 
 def heuristic_block_t(num_keys: int, block_d: int) -> int:
-    """Samples per block: about 4 tile elements per thread at 4 warps (ptxas for sm_90: 56-87 registers forward,
-    71-156 backward at head_dim 32-128, no spills); at most the key count rounded up to a power of two."""
-    return max(2, min(512 // block_d, next_power_of_2(num_keys)))
+    """Samples per block: 256-element tiles (8 samples at head_dim 32), 8 elements per thread in the forward's one
+    warp and 4 in the backward's two; at most the key count rounded up to a power of two."""
+    return max(2, min(256 // block_d, next_power_of_2(num_keys)))
 
 
 def _check_supported(q: torch.Tensor, coords: torch.Tensor) -> None:
@@ -50,14 +54,14 @@ def _sizes(q: torch.Tensor, coords: torch.Tensor, width: int, height: int) -> di
                 NUM_KEYS=num_views * num_samples, width=width, height=height, head_dim=head_dim)
 
 
-def _launch(plain_kernel, autotuned_kernel, grid, *args, **sizes):
+def _launch(plain_kernel, autotuned_kernel, grid, num_warps, *args, **sizes):
     # Block shapes must be powers of two; masks cover the padding (head_dim 24 -> 32, 80 -> 128).
     block_d = max(16, next_power_of_2(sizes["head_dim"]))
     if autotune_enabled():
         autotuned_kernel[grid](*args, **sizes, BLOCK_D=block_d)
     else:
         plain_kernel[grid](*args, **sizes, BLOCK_D=block_d, BLOCK_T=heuristic_block_t(sizes["NUM_KEYS"], block_d),
-                           num_warps=HEURISTIC_NUM_WARPS)
+                           num_warps=num_warps)
 
 
 def deform_sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch.Tensor, width: int,
@@ -72,8 +76,8 @@ def deform_sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coord
     sizes = _sizes(q, coords, width, height)
     grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
     with launch_device(q):
-        _launch(deform_sdpa_forward_kernel, deform_sdpa_forward_kernel_autotuned, grid, q, k, v, coords, out, lse,
-                sm_scale * math.log2(math.e), **sizes)
+        _launch(deform_sdpa_forward_kernel, deform_sdpa_forward_kernel_autotuned, grid, FORWARD_NUM_WARPS, q, k, v,
+                coords, out, lse, sm_scale * math.log2(math.e), **sizes)
     return out, lse
 
 
@@ -93,9 +97,9 @@ def deform_sdpa_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         sizes = _sizes(q, coords, width, height)
         grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
         with launch_device(q):
-            _launch(deform_sdpa_backward_kernel, deform_sdpa_backward_kernel_autotuned, grid, q, k, v, coords, out,
-                    grad_out, lse, dq, dk, dv, dcoords, sm_scale, sm_scale * math.log2(math.e), **sizes,
-                    COORDS_GRAD=coords_grad)
+            _launch(deform_sdpa_backward_kernel, deform_sdpa_backward_kernel_autotuned, grid, BACKWARD_NUM_WARPS,
+                    q, k, v, coords, out, grad_out, lse, dq, dk, dv, dcoords, sm_scale, sm_scale * math.log2(math.e),
+                    **sizes, COORDS_GRAD=coords_grad)
     else:
         dq.zero_()
     return dq, dk.to(q.dtype), dv.to(q.dtype), dcoords.to(coords.dtype)

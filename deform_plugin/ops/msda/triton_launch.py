@@ -42,17 +42,17 @@ class LaunchConfig:
 
 @functools.lru_cache(maxsize=None)
 def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optional[int] = None) -> LaunchConfig:
-    """Blocks of about 512 elements ([16 queries x 32 channels] at head_dim 32), 2 warps, with overrides for tuning.
+    """Blocks of about 256 elements ([8 queries x 32 channels] at head_dim 32), one warp, with overrides for tuning.
 
-    Measured on an H200 (docs/kernels.md): small tiles win, since many resident programs keep more independent
-    gathers in flight than a large tile per program does. 16 x 32 with 2 warps equals 32 x 32 with 4 warps for the
-    plain op and makes the fused forward 1.5-1.8x faster (its softmax statistics tile maps onto the smaller
-    program better); 128 x 32 tiles were 1.2-2x slower. Register caps (``maxnreg`` 64-96) did not help.
+    Small programs win (docs/kernels.md, notes 2, 8 and 11): many resident programs keep more independent gathers
+    and atomics in flight than a large tile per program does. On an H100, 8 x 32 with one warp was the fastest
+    configuration of the sweep in both directions, plain and fused, fp32 and bf16 (the backward 6-8% faster than
+    16 x 32 with 2 warps); 128 x 32 tiles were 1.2-2x slower. Register caps (``maxnreg`` 64-96) did not help.
     The blocks depend on head_dim only, never on the query count: a new image size must not compile a new variant.
     """
     block_d = next_power_of_2(head_dim)
     if block_q is None:
-        block_q = max(1, 512 // block_d)
+        block_q = max(1, 256 // block_d)
     if num_warps is None:
         num_warps = max(1, min(8, block_q * block_d // 256))
     return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
