@@ -67,15 +67,15 @@ def _corner_weight(frac_x, frac_y, step_x: tl.constexpr, step_y: tl.constexpr):
 
 
 @triton.jit
-def _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, step_x: tl.constexpr, step_y: tl.constexpr,
-                    valid, width, height, offs_d, mask_d, head_dim, q):
-    """One corner's contribution: its weight, the score part ``q . k_corner`` and the value tile."""
+def _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, step_x: tl.constexpr, step_y: tl.constexpr,
+                 valid, width, height, offs_d, mask_d, head_dim):
+    """One corner's bilinear weight and its key and value rows, as (BLOCK_T, BLOCK_D) float32 tiles."""
     offsets, mask = _corner_offsets(plane, left, top, step_x, step_y, valid, width, height, offs_d, mask_d,
                                     head_dim)
     weight = _corner_weight(frac_x, frac_y, step_x, step_y)
     key = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     value = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return weight, tl.sum(key * q[None, :], 1), value
+    return weight, key, value
 
 
 # The sizes that follow the image (pixels, width, height) are not specialised, so a new image size compiles nothing.
@@ -116,25 +116,32 @@ def deform_sdpa_forward_kernel(
         view = offs_t // num_samples
         plane = ((batch * num_views + view) * num_heads + head) * num_pixels  # first pixel of the sampled map
 
-        w00, s00, v00 = _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 0, valid, width,
-                                        height, offs_d, mask_d, head_dim, q)
-        w01, s01, v01 = _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 0, valid, width,
-                                        height, offs_d, mask_d, head_dim, q)
-        w10, s10, v10 = _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 1, valid, width,
-                                        height, offs_d, mask_d, head_dim, q)
-        w11, s11, v11 = _corner_forward(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 1, valid, width,
-                                        height, offs_d, mask_d, head_dim, q)
-        # q . bilinear(k) = sum over corners of weight * (q . k_corner): the sampled key is never formed.
-        scores = w00 * s00 + w01 * s01 + w10 * s10 + w11 * s11
+        # The sampled key and value are formed in registers (four multiply-adds per element) and the score is one
+        # reduction over channels per sample; four per-corner dot products cost four cross-thread reductions.
+        w00, k00, v00 = _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 0, valid, width, height,
+                                     offs_d, mask_d, head_dim)
+        sampled_key = w00[:, None] * k00
+        sampled_value = w00[:, None] * v00
+        w01, k01, v01 = _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 0, valid, width, height,
+                                     offs_d, mask_d, head_dim)
+        sampled_key += w01[:, None] * k01
+        sampled_value += w01[:, None] * v01
+        w10, k10, v10 = _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 1, valid, width, height,
+                                     offs_d, mask_d, head_dim)
+        sampled_key += w10[:, None] * k10
+        sampled_value += w10[:, None] * v10
+        w11, k11, v11 = _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 1, valid, width, height,
+                                     offs_d, mask_d, head_dim)
+        sampled_key += w11[:, None] * k11
+        sampled_value += w11[:, None] * v11
+        scores = tl.sum(sampled_key * q[None, :], 1)
         scores = tl.where(mask_t, scores, float("-inf"))
         # Every block holds at least one real sample, so the new maximum is finite.
         new_max = tl.maximum(running_max, tl.max(scores, 0))
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max)
         denominator = denominator * rescale + tl.sum(probs, 0)
-        sampled_value = ((probs * w00)[:, None] * v00 + (probs * w01)[:, None] * v01
-                         + (probs * w10)[:, None] * v10 + (probs * w11)[:, None] * v11)
-        acc = acc * rescale + tl.sum(sampled_value, 0)
+        acc = acc * rescale + tl.sum(probs[:, None] * sampled_value, 0)
         running_max = new_max
 
     out = acc / denominator
