@@ -46,7 +46,7 @@ def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optio
 
     Small programs win (docs/kernels.md, notes 2, 8 and 11): many resident programs keep more independent gathers
     and atomics in flight than a large tile per program does. On an H100, 8 x 32 with one warp was the fastest
-    configuration of the sweep in both directions, plain and fused, fp32 and bf16 (the backward 6-8% faster than
+    configuration of the sweep in both directions, plain and fused, fp32 and bf16 (the backward 4-8% faster than
     16 x 32 with 2 warps); 128 x 32 tiles were 1.2-2x slower. Register caps (``maxnreg`` 64-96) did not help.
     The blocks depend on head_dim only, never on the query count: a new image size must not compile a new variant.
     """
