@@ -5,7 +5,9 @@ One program handles one query: (batch, view, head, pixel), pixels fastest. It wa
 and values straight from the input maps, and keeps an online softmax, so the sampled keys and values never reach
 global memory. The backward
 recomputes the probabilities from the saved base-2 log-sum-exp and scatters key/value gradients to the four
-corners with atomics. All arithmetic is float32 whatever the storage dtype; all addressing is int64.
+corners with atomics. All arithmetic is float32 whatever the storage dtype. Addressing runs in INDEX_DTYPE: int32
+where every tensor of the launch is small enough that no offset can overflow it (fewer registers and instructions
+per gathered row), int64 otherwise.
 
 Tensor arguments are contiguous; their shapes are commented at each pointer.
 """
@@ -17,16 +19,17 @@ import triton.language as tl
 def tuning_configs():
     """The launch configurations autotuning tries (opt-in: see ``triton_launch.autotune_enabled``)."""
     # One warp per query keeps the reductions over a block's samples inside the warp (no shared-memory round
-    # trip per block); an sm_90 compile of the forward gives 72 registers at BLOCK_T=8, no spills.
+    # trip per block). With int32 addressing an sm_90 compile of the fp32 forward needs 96 registers at BLOCK_T=8
+    # and 205 at 16 (no spills), where int64 took 143 and 217.
     return [triton.Config({"BLOCK_T": block_t}, num_warps=warps)
             for block_t in (4, 8, 16, 32, 64) for warps in (1, 2, 4, 8)]
 
 
 def _keep_moderate_tiles(configs, named_args, **kwargs):
-    # 2 to 8 tile elements per thread: fewer starves the loads, more spills registers (see heuristic_block_t).
+    # 2 to 32 tile elements per thread: fewer starves the loads, more spills registers (see heuristic_block_t).
     block_d = {**named_args, **kwargs}["BLOCK_D"]
     kept = [config for config in configs
-            if 2 <= config.kwargs["BLOCK_T"] * block_d / (32 * config.num_warps) <= 8]
+            if 2 <= config.kwargs["BLOCK_T"] * block_d / (32 * config.num_warps) <= 32]
     return kept or configs[:1]
 
 
@@ -48,34 +51,25 @@ def _sample_geometry(coords_ptr, coord_offsets, sample_mask, width, height):
 
 
 @triton.jit
-def _corner_offsets(plane, left, top, step_x: tl.constexpr, step_y: tl.constexpr, valid, width, height, offs_d,
-                    mask_d, head_dim):
-    """Element offsets (BLOCK_T, BLOCK_D) of one bilinear corner and its mask (outside the map: masked)."""
-    col = left + step_x
-    row = top + step_y
-    inside = valid & (col >= 0) & (col < width) & (row >= 0) & (row < height)
-    pixel = tl.where(inside, row * width + col, 0).to(tl.int64)
-    offsets = (plane + pixel)[:, None] * head_dim + offs_d[None, :]
-    return offsets, inside[:, None] & mask_d[None, :]
+def _corner_rows(plane, left, top, valid, width, height, head_dim):
+    """Element offsets of the four bilinear corners' rows (top-left, top-right, bottom-left, bottom-right) and
+    whether each lies in the map. Offsets of corners outside the map are out of range: their loads are masked."""
+    column_0_in = (left >= 0) & (left < width)
+    column_1_in = (left >= -1) & (left < width - 1)
+    row_0_in = valid & (top >= 0) & (top < height)
+    row_1_in = valid & (top >= -1) & (top < height - 1)
+    # The corners are neighbours in the map: one multiply-add per sample, then additions.
+    row_00 = (plane + top * width + left) * head_dim
+    row_10 = row_00 + width * head_dim
+    return (row_00, row_00 + head_dim, row_10, row_10 + head_dim,
+            row_0_in & column_0_in, row_0_in & column_1_in, row_1_in & column_0_in, row_1_in & column_1_in)
 
 
 @triton.jit
-def _corner_weight(frac_x, frac_y, step_x: tl.constexpr, step_y: tl.constexpr):
-    weight_x = frac_x if step_x == 1 else 1.0 - frac_x
-    weight_y = frac_y if step_y == 1 else 1.0 - frac_y
-    return weight_x * weight_y
-
-
-@triton.jit
-def _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, step_x: tl.constexpr, step_y: tl.constexpr,
-                 valid, width, height, offs_d, mask_d, head_dim):
-    """One corner's bilinear weight and its key and value rows, as (BLOCK_T, BLOCK_D) float32 tiles."""
-    offsets, mask = _corner_offsets(plane, left, top, step_x, step_y, valid, width, height, offs_d, mask_d,
-                                    head_dim)
-    weight = _corner_weight(frac_x, frac_y, step_x, step_y)
-    key = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    value = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return weight, key, value
+def _load_rows(ptr, rows, inside, offs_d, mask_d, EVEN_D: tl.constexpr):
+    """A (BLOCK_T, BLOCK_D) float32 tile of the rows at element offsets ``rows``; rows outside the map read 0."""
+    mask = inside[:, None] if EVEN_D else inside[:, None] & mask_d[None, :]
+    return tl.load(ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 # The sizes that follow the image (pixels, width, height) are not specialised, so a new image size compiles nothing.
@@ -89,10 +83,11 @@ def deform_sdpa_forward_kernel(
     lse_ptr,  # (B, V, H, N) float32: log2 of the softmax denominator of the base-2 scores
     qk_scale,  # sm_scale * log2(e): scores in base 2 so the softmax can use exp2
     num_views, num_heads, num_pixels, num_samples, width, height, head_dim,
-    NUM_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    INDEX_DTYPE: tl.constexpr,
 ):
     # Pixels vary fastest: programs resident together gather from the same (batch, head) maps, which helps L1.
-    row = tl.program_id(0).to(tl.int64)  # flat (batch, view, head, pixel)
+    row = tl.program_id(0).to(INDEX_DTYPE)  # flat (batch, view, head, pixel)
     pixel = row % num_pixels
     batch_view_head = row // num_pixels
     head = batch_view_head % num_heads
@@ -106,7 +101,7 @@ def deform_sdpa_forward_kernel(
 
     running_max = tl.full([], float("-inf"), tl.float32)
     denominator = tl.full([], 0.0, tl.float32)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)  # per sample slot of a block, summed at the end
     coord_base = query * NUM_KEYS * 2
     for key_start in range(0, NUM_KEYS, BLOCK_T):
         offs_t = key_start + tl.arange(0, BLOCK_T)
@@ -115,25 +110,22 @@ def deform_sdpa_forward_kernel(
                                                             height)
         view = offs_t // num_samples
         plane = ((batch * num_views + view) * num_heads + head) * num_pixels  # first pixel of the sampled map
-
-        # The sampled key and value are formed in registers (four multiply-adds per element) and the score is one
-        # reduction over channels per sample; four per-corner dot products cost four cross-thread reductions.
-        w00, k00, v00 = _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 0, valid, width, height,
-                                     offs_d, mask_d, head_dim)
-        sampled_key = w00[:, None] * k00
-        sampled_value = w00[:, None] * v00
-        w01, k01, v01 = _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 0, valid, width, height,
-                                     offs_d, mask_d, head_dim)
-        sampled_key += w01[:, None] * k01
-        sampled_value += w01[:, None] * v01
-        w10, k10, v10 = _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 1, valid, width, height,
-                                     offs_d, mask_d, head_dim)
-        sampled_key += w10[:, None] * k10
-        sampled_value += w10[:, None] * v10
-        w11, k11, v11 = _corner_rows(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 1, valid, width, height,
-                                     offs_d, mask_d, head_dim)
-        sampled_key += w11[:, None] * k11
-        sampled_value += w11[:, None] * v11
+        row_00, row_01, row_10, row_11, in_00, in_01, in_10, in_11 = _corner_rows(plane, left, top, valid, width,
+                                                                                  height, head_dim)
+        w00 = (1.0 - frac_x) * (1.0 - frac_y)
+        w01 = frac_x * (1.0 - frac_y)
+        w10 = (1.0 - frac_x) * frac_y
+        w11 = frac_x * frac_y
+        # The sampled key is formed in registers (four multiply-adds per element) and the score is one reduction
+        # over channels per sample; four per-corner dot products cost four cross-thread reductions.
+        sampled_key = w00[:, None] * _load_rows(k_ptr, row_00, in_00, offs_d, mask_d, EVEN_D)
+        sampled_key += w01[:, None] * _load_rows(k_ptr, row_01, in_01, offs_d, mask_d, EVEN_D)
+        sampled_key += w10[:, None] * _load_rows(k_ptr, row_10, in_10, offs_d, mask_d, EVEN_D)
+        sampled_key += w11[:, None] * _load_rows(k_ptr, row_11, in_11, offs_d, mask_d, EVEN_D)
+        v00 = _load_rows(v_ptr, row_00, in_00, offs_d, mask_d, EVEN_D)
+        v01 = _load_rows(v_ptr, row_01, in_01, offs_d, mask_d, EVEN_D)
+        v10 = _load_rows(v_ptr, row_10, in_10, offs_d, mask_d, EVEN_D)
+        v11 = _load_rows(v_ptr, row_11, in_11, offs_d, mask_d, EVEN_D)
         scores = tl.sum(sampled_key * q[None, :], 1)
         scores = tl.where(mask_t, scores, float("-inf"))
         # Every block holds at least one real sample, so the new maximum is finite.
@@ -141,33 +133,31 @@ def deform_sdpa_forward_kernel(
         rescale = tl.exp2(running_max - new_max)
         probs = tl.exp2(scores - new_max)
         denominator = denominator * rescale + tl.sum(probs, 0)
-        acc = acc * rescale + tl.sum(probs[:, None] * sampled_value, 0)
+        # The values are weighted by probability x corner weight and summed over the block's samples only at the
+        # end: no reduction across threads per block.
+        acc = acc * rescale + ((probs * w00)[:, None] * v00 + (probs * w01)[:, None] * v01
+                               + (probs * w10)[:, None] * v10 + (probs * w11)[:, None] * v11)
         running_max = new_max
 
-    out = acc / denominator
+    out = tl.sum(acc, 0) / denominator
     tl.store(out_ptr + row * head_dim + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d)
     tl.store(lse_ptr + row, running_max + tl.log2(denominator))
 
 
 @triton.jit
-def _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, step_x: tl.constexpr,
-                          step_y: tl.constexpr, valid, width, height, offs_d, mask_d, head_dim, q, grad_out):
-    """One corner's weight, key tile, ``q . k_corner`` and ``grad_out . v_corner``."""
-    offsets, mask = _corner_offsets(plane, left, top, step_x, step_y, valid, width, height, offs_d, mask_d,
-                                    head_dim)
-    weight = _corner_weight(frac_x, frac_y, step_x, step_y)
-    key = tl.load(k_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    value = tl.load(v_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    return weight, key, tl.sum(key * q[None, :], 1), tl.sum(value * grad_out[None, :], 1)
+def _corner_backward_load(k_ptr, v_ptr, rows, inside, offs_d, mask_d, q, grad_out, EVEN_D: tl.constexpr):
+    """One corner's key tile, ``q . k_corner`` and ``grad_out . v_corner``."""
+    key = _load_rows(k_ptr, rows, inside, offs_d, mask_d, EVEN_D)
+    value = _load_rows(v_ptr, rows, inside, offs_d, mask_d, EVEN_D)
+    return key, tl.sum(key * q[None, :], 1), tl.sum(value * grad_out[None, :], 1)
 
 
 @triton.jit
-def _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, step_x: tl.constexpr, step_y: tl.constexpr,
-                             valid, width, height, offs_d, mask_d, head_dim, key_grad_scale, value_grad_scale, q,
-                             grad_out):
+def _corner_backward_scatter(dk_ptr, dv_ptr, rows, inside, offs_d, mask_d, key_grad_scale, value_grad_scale, q,
+                             grad_out, EVEN_D: tl.constexpr):
     """Add this corner's share of the sampled key/value gradients into dk and dv (float32 buffers)."""
-    offsets, mask = _corner_offsets(plane, left, top, step_x, step_y, valid, width, height, offs_d, mask_d,
-                                    head_dim)
+    mask = inside[:, None] if EVEN_D else inside[:, None] & mask_d[None, :]
+    offsets = rows[:, None] + offs_d[None, :]
     tl.atomic_add(dk_ptr + offsets, key_grad_scale[:, None] * q[None, :], mask=mask, sem="relaxed")
     tl.atomic_add(dv_ptr + offsets, value_grad_scale[:, None] * grad_out[None, :], mask=mask, sem="relaxed")
 
@@ -188,8 +178,9 @@ def deform_sdpa_backward_kernel(
     sm_scale, qk_scale,  # qk_scale = sm_scale * log2(e)
     num_views, num_heads, num_pixels, num_samples, width, height, head_dim,
     NUM_KEYS: tl.constexpr, COORDS_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, INDEX_DTYPE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # flat (batch, view, head, pixel), as in the forward
+    row = tl.program_id(0).to(INDEX_DTYPE)  # flat (batch, view, head, pixel), as in the forward
     pixel = row % num_pixels
     batch_view_head = row // num_pixels
     head = batch_view_head % num_heads
@@ -216,14 +207,16 @@ def deform_sdpa_backward_kernel(
         view = offs_t // num_samples
         plane = ((batch * num_views + view) * num_heads + head) * num_pixels
 
-        w00, k00, qk00, gv00 = _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 0, valid,
-                                                     width, height, offs_d, mask_d, head_dim, q, grad_out)
-        w01, k01, qk01, gv01 = _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 0, valid,
-                                                     width, height, offs_d, mask_d, head_dim, q, grad_out)
-        w10, k10, qk10, gv10 = _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 0, 1, valid,
-                                                     width, height, offs_d, mask_d, head_dim, q, grad_out)
-        w11, k11, qk11, gv11 = _corner_backward_load(k_ptr, v_ptr, plane, left, top, frac_x, frac_y, 1, 1, valid,
-                                                     width, height, offs_d, mask_d, head_dim, q, grad_out)
+        row_00, row_01, row_10, row_11, in_00, in_01, in_10, in_11 = _corner_rows(plane, left, top, valid, width,
+                                                                                  height, head_dim)
+        w00 = (1.0 - frac_x) * (1.0 - frac_y)
+        w01 = frac_x * (1.0 - frac_y)
+        w10 = (1.0 - frac_x) * frac_y
+        w11 = frac_x * frac_y
+        k00, qk00, gv00 = _corner_backward_load(k_ptr, v_ptr, row_00, in_00, offs_d, mask_d, q, grad_out, EVEN_D)
+        k01, qk01, gv01 = _corner_backward_load(k_ptr, v_ptr, row_01, in_01, offs_d, mask_d, q, grad_out, EVEN_D)
+        k10, qk10, gv10 = _corner_backward_load(k_ptr, v_ptr, row_10, in_10, offs_d, mask_d, q, grad_out, EVEN_D)
+        k11, qk11, gv11 = _corner_backward_load(k_ptr, v_ptr, row_11, in_11, offs_d, mask_d, q, grad_out, EVEN_D)
         scores = (w00 * qk00 + w01 * qk01 + w10 * qk10 + w11 * qk11) * qk_scale
         probs = tl.where(mask_t, tl.exp2(scores - lse), 0.0)
         grad_probs = w00 * gv00 + w01 * gv01 + w10 * gv10 + w11 * gv11
@@ -232,14 +225,14 @@ def deform_sdpa_backward_kernel(
         sampled_key = (w00[:, None] * k00 + w01[:, None] * k01 + w10[:, None] * k10 + w11[:, None] * k11)
         dq += tl.sum(grad_scores[:, None] * sampled_key, 0)
 
-        _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, 0, 0, valid, width, height, offs_d, mask_d,
-                                 head_dim, grad_scores * w00, probs * w00, q, grad_out)
-        _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, 1, 0, valid, width, height, offs_d, mask_d,
-                                 head_dim, grad_scores * w01, probs * w01, q, grad_out)
-        _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, 0, 1, valid, width, height, offs_d, mask_d,
-                                 head_dim, grad_scores * w10, probs * w10, q, grad_out)
-        _corner_backward_scatter(dk_ptr, dv_ptr, plane, left, top, 1, 1, valid, width, height, offs_d, mask_d,
-                                 head_dim, grad_scores * w11, probs * w11, q, grad_out)
+        _corner_backward_scatter(dk_ptr, dv_ptr, row_00, in_00, offs_d, mask_d, grad_scores * w00, probs * w00, q,
+                                 grad_out, EVEN_D)
+        _corner_backward_scatter(dk_ptr, dv_ptr, row_01, in_01, offs_d, mask_d, grad_scores * w01, probs * w01, q,
+                                 grad_out, EVEN_D)
+        _corner_backward_scatter(dk_ptr, dv_ptr, row_10, in_10, offs_d, mask_d, grad_scores * w10, probs * w10, q,
+                                 grad_out, EVEN_D)
+        _corner_backward_scatter(dk_ptr, dv_ptr, row_11, in_11, offs_d, mask_d, grad_scores * w11, probs * w11, q,
+                                 grad_out, EVEN_D)
 
         if COORDS_GRAD:
             # Gradient of the loss with respect to each corner's bilinear weight, then the chain rule through
@@ -259,10 +252,10 @@ def deform_sdpa_backward_kernel(
 
 
 deform_sdpa_forward_kernel_autotuned = triton.autotune(
-    configs=tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D"],
+    configs=tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D", "EVEN_D", "INDEX_DTYPE"],
     prune_configs_by={"early_config_prune": _keep_moderate_tiles})(deform_sdpa_forward_kernel)
 # The atomically accumulated buffers must be zeroed before each timed trial, or the trials add up.
 deform_sdpa_backward_kernel_autotuned = triton.autotune(
-    configs=tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D", "COORDS_GRAD"],
+    configs=tuning_configs(), key=["NUM_KEYS", "head_dim", "BLOCK_D", "COORDS_GRAD", "EVEN_D", "INDEX_DTYPE"],
     prune_configs_by={"early_config_prune": _keep_moderate_tiles},
     reset_to_zero=["dk_ptr", "dv_ptr", "dcoords_ptr"])(deform_sdpa_backward_kernel)

@@ -10,6 +10,7 @@ import os
 from typing import Tuple
 
 import torch
+import triton.language as tl
 
 from ..triton_support import launch_device, next_power_of_2, triton_interpreter_enabled
 from .checks import TRITON_DTYPES, triton_unsupported_reasons
@@ -21,11 +22,15 @@ from .triton_kernels import (
 )
 
 AUTOTUNE_ENV = "DEFORM_PLUGIN_SDPA_AUTOTUNE"
-# Warps per program of the default launch. One warp keeps the forward's per-block score and value reductions inside
-# the warp (no shared-memory round trip per block of samples); the backward's larger live state prefers two. Both
-# were the autotuner's choice at the seed's configuration on an H100 (docs/deform_sdpa.md).
+# The default launch: one warp per program in both directions (the block's score and value reductions stay inside
+# the warp), over blocks of samples of FORWARD_TILE_ELEMENTS or BACKWARD_TILE_ELEMENTS elements (samples x padded
+# head_dim). The fastest in a sweep of the kernels at the seed's configuration on an H200, fp32 and bf16
+# (docs/deform_sdpa.md): larger forward blocks keep more gathers in flight per warp once int32 addressing has freed
+# the registers; the backward, with its atomics, prefers small blocks.
 FORWARD_NUM_WARPS = 1
-BACKWARD_NUM_WARPS = 2
+BACKWARD_NUM_WARPS = 1
+FORWARD_TILE_ELEMENTS = 512
+BACKWARD_TILE_ELEMENTS = 128
 
 
 def autotune_enabled() -> bool:
@@ -34,10 +39,19 @@ def autotune_enabled() -> bool:
     return os.environ.get(AUTOTUNE_ENV, "0") not in ("", "0") and not triton_interpreter_enabled()
 
 
-def heuristic_block_t(num_keys: int, block_d: int) -> int:
-    """Samples per block: 256-element tiles (8 samples at head_dim 32), 8 elements per thread in the forward's one
-    warp and 4 in the backward's two; at most the key count rounded up to a power of two."""
-    return max(2, min(256 // block_d, next_power_of_2(num_keys)))
+def heuristic_block_t(num_keys: int, block_d: int, tile_elements: int) -> int:
+    """Samples per block: ``tile_elements / block_d``, at least 2 and at most the key count rounded up to a power
+    of two."""
+    return max(2, min(tile_elements // block_d, next_power_of_2(num_keys)))
+
+
+# int32 offsets while every tensor of a launch has at most this many elements: offsets stay within a few rows of a
+# tensor's extent, far below 2**31.
+_INT32_INDEX_MAX_NUMEL = 2 ** 30
+
+
+def _index_dtype(q: torch.Tensor, coords: torch.Tensor):
+    return tl.int32 if max(q.numel(), coords.numel()) <= _INT32_INDEX_MAX_NUMEL else tl.int64
 
 
 def _check_supported(q: torch.Tensor, coords: torch.Tensor) -> None:
@@ -51,17 +65,20 @@ def _sizes(q: torch.Tensor, coords: torch.Tensor, width: int, height: int) -> di
     _, num_views, num_heads, num_pixels, head_dim = q.shape
     num_samples = coords.shape[4]
     return dict(num_views=num_views, num_heads=num_heads, num_pixels=num_pixels, num_samples=num_samples,
-                NUM_KEYS=num_views * num_samples, width=width, height=height, head_dim=head_dim)
+                NUM_KEYS=num_views * num_samples, width=width, height=height, head_dim=head_dim,
+                INDEX_DTYPE=_index_dtype(q, coords))
 
 
-def _launch(plain_kernel, autotuned_kernel, grid, num_warps, *args, **sizes):
-    # Block shapes must be powers of two; masks cover the padding (head_dim 24 -> 32, 80 -> 128).
+def _launch(plain_kernel, autotuned_kernel, grid, num_warps, tile_elements, *args, **sizes):
+    # Block shapes must be powers of two; masks cover the padding (head_dim 24 -> 32, 80 -> 128). EVEN_D: no
+    # channel padding, so the loads are masked by row alone.
     block_d = max(16, next_power_of_2(sizes["head_dim"]))
+    even_d = block_d == sizes["head_dim"]
     if autotune_enabled():
-        autotuned_kernel[grid](*args, **sizes, BLOCK_D=block_d)
+        autotuned_kernel[grid](*args, **sizes, BLOCK_D=block_d, EVEN_D=even_d)
     else:
-        plain_kernel[grid](*args, **sizes, BLOCK_D=block_d, BLOCK_T=heuristic_block_t(sizes["NUM_KEYS"], block_d),
-                           num_warps=num_warps)
+        block_t = heuristic_block_t(sizes["NUM_KEYS"], block_d, tile_elements)
+        plain_kernel[grid](*args, **sizes, BLOCK_D=block_d, EVEN_D=even_d, BLOCK_T=block_t, num_warps=num_warps)
 
 
 def deform_sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coords: torch.Tensor, width: int,
@@ -76,8 +93,9 @@ def deform_sdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, coord
     sizes = _sizes(q, coords, width, height)
     grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
     with launch_device(q):
-        _launch(deform_sdpa_forward_kernel, deform_sdpa_forward_kernel_autotuned, grid, FORWARD_NUM_WARPS, q, k, v,
-                coords, out, lse, sm_scale * math.log2(math.e), **sizes)
+        _launch(deform_sdpa_forward_kernel, deform_sdpa_forward_kernel_autotuned, grid, FORWARD_NUM_WARPS,
+                FORWARD_TILE_ELEMENTS, q, k, v, coords, out, lse, sm_scale * math.log2(math.e),
+                **sizes)
     return out, lse
 
 
@@ -98,8 +116,8 @@ def deform_sdpa_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         grid = (q.shape[0] * sizes["num_views"] * sizes["num_pixels"] * sizes["num_heads"],)
         with launch_device(q):
             _launch(deform_sdpa_backward_kernel, deform_sdpa_backward_kernel_autotuned, grid, BACKWARD_NUM_WARPS,
-                    q, k, v, coords, out, grad_out, lse, dq, dk, dv, dcoords, sm_scale, sm_scale * math.log2(math.e),
-                    **sizes, COORDS_GRAD=coords_grad)
+                    BACKWARD_TILE_ELEMENTS, q, k, v, coords, out, grad_out, lse, dq, dk, dv, dcoords, sm_scale,
+                    sm_scale * math.log2(math.e), **sizes, COORDS_GRAD=coords_grad)
     else:
         dq.zero_()
     return dq, dk.to(q.dtype), dv.to(q.dtype), dcoords.to(coords.dtype)

@@ -42,7 +42,7 @@ def shape_id(batch, views, samples, heads, head_dim, width, height):
 # (batch, views, samples, heads, head_dim, width, height). Tiny shapes keep interpreter programs few (B*V*H*N).
 TINY_SHAPES = [
     (1, 2, 3, 1, 16, 3, 2),  # the basic case
-    (2, 1, 17, 1, 32, 2, 2),  # 17 samples: two key blocks at head_dim 32, so the online softmax rescales
+    (2, 1, 33, 1, 32, 2, 2),  # 33 samples: several key blocks in every dtype, so the online softmax rescales
     (1, 2, 2, 2, 20, 1, 3),  # head_dim 20 padded to 32; a 1-pixel-wide view
     (1, 3, 2, 1, 24, 5, 1),  # 3 views, head_dim 24, odd width
 ]
@@ -120,10 +120,12 @@ def assert_close_to_float64(inputs, width, height, dtype, seed=1):
 
 
 def test_tiny_shapes_cover_several_key_blocks():
-    from deform_plugin.ops.deform_sdpa.triton_launch import heuristic_block_t
+    from deform_plugin.ops.deform_sdpa.triton_launch import (BACKWARD_TILE_ELEMENTS, FORWARD_TILE_ELEMENTS,
+                                                             heuristic_block_t)
 
-    assert any(heuristic_block_t(views * samples, max(16, head_dim)) < views * samples
-               for _, views, samples, _, head_dim, _, _ in TINY_SHAPES)
+    for tile_elements in (FORWARD_TILE_ELEMENTS, BACKWARD_TILE_ELEMENTS):
+        assert any(heuristic_block_t(views * samples, max(16, head_dim), tile_elements) < views * samples
+                   for _, views, samples, _, head_dim, _, _ in TINY_SHAPES), tile_elements
 
 
 @needs_triton
@@ -134,7 +136,7 @@ def test_triton_matches_float64_reference_fp32(shape):
     assert_close_to_float64((q, k, v, coords), shape[5], shape[6], torch.float32)
 
 
-HALF_CASES = [(TINY_SHAPES[0], dtype) for dtype in (torch.float16, torch.bfloat16)]
+HALF_CASES = [(shape, dtype) for shape in TINY_SHAPES[:2] for dtype in (torch.float16, torch.bfloat16)]
 if HAS_CUDA:
     HALF_CASES += [(shape, dtype) for shape in FULL_SHAPES[:3] for dtype in (torch.float16, torch.bfloat16)]
 
@@ -234,6 +236,42 @@ def test_coords_without_grad_and_custom_op_registration():
             0.25)
     torch.library.opcheck(deform_sdpa_forward_op, args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+def test_index_dtype_follows_the_largest_tensor():
+    """int32 offsets only where neither q (and k, v, the gradients) nor coords can overflow them; meta tensors."""
+    import triton.language as tl
+
+    from deform_plugin.ops.deform_sdpa.triton_launch import _INT32_INDEX_MAX_NUMEL, _index_dtype
+
+    small, large = (torch.empty(n, device="meta") for n in (1000, _INT32_INDEX_MAX_NUMEL + 1))
+    assert _index_dtype(small, small) == tl.int32
+    assert _index_dtype(large, small) == tl.int64
+    assert _index_dtype(small, large) == tl.int64
+
+
+@needs_triton
+def test_int64_indexing_gives_the_same_results(monkeypatch):
+    """The int64 variant (for tensors past 2^30 elements) computes what the int32 one does: exactly, but for the
+    order in which a GPU's atomics add into dk, dv and the coordinate gradient."""
+    from deform_plugin.ops.deform_sdpa import triton_launch
+
+    shape = (2, 2, 5, 2, 16, 3, 2)
+    q, k, v, coords = make_inputs(shape, torch.float32)
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+
+    def run():
+        out, lse = triton_launch.deform_sdpa_forward(q, k, v, coords, shape[5], shape[6], 0.25)
+        return (out, lse, *triton_launch.deform_sdpa_backward(grad_out, q, k, v, coords, out, lse, shape[5],
+                                                               shape[6], 0.25, True))
+    int32_results = run()
+    monkeypatch.setattr(triton_launch, "_INT32_INDEX_MAX_NUMEL", 0)
+    int64_results = run()
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dcoords"), int32_results, int64_results):
+        if HAS_CUDA and name in ("dk", "dv", "dcoords"):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+        else:
+            assert torch.equal(a, b), name
 
 
 @needs_cuda
