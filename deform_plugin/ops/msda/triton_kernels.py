@@ -90,49 +90,10 @@ def _pixel_coordinates(loc_x, loc_y, level_h, level_w):
 
 
 @triton.jit
-def _corner_keys(x0, y0, taken, level_start, level_w, level_h, INDEX_DTYPE: tl.constexpr):
-    """The keys (value rows) of a sample's four corners (top-left, top-right, bottom-left, bottom-right) and
-    whether each lies in the level's map. The corners are neighbours in the map, so one multiply-add per sample
-    gives all four; keys of corners outside the map are out of range, and their loads are masked."""
-    column_0_in = (x0 >= 0) & (x0 < level_w)
-    column_1_in = (x0 >= -1) & (x0 < level_w - 1)
-    row_0_in = taken & (y0 >= 0) & (y0 < level_h)
-    row_1_in = taken & (y0 >= -1) & (y0 < level_h - 1)
-    key_00 = level_start + (y0 * level_w + x0).to(INDEX_DTYPE)
-    key_10 = key_00 + level_w
-    return (key_00, key_00 + 1, key_10, key_10 + 1,
-            row_0_in & column_0_in, row_0_in & column_1_in, row_1_in & column_0_in, row_1_in & column_1_in)
-
-
-@triton.jit
-def _corner(corner: tl.constexpr, key_00, key_01, key_10, key_11, in_00, in_01, in_10, in_11):
-    """The key and in-map flag of corner ``corner`` (0..3: dx = corner % 2, dy = corner // 2)."""
-    if corner == 0:
-        return key_00, in_00
-    elif corner == 1:
-        return key_01, in_01
-    elif corner == 2:
-        return key_10, in_10
-    else:
-        return key_11, in_11
-
-
-@triton.jit
-def _corner_mask(row_mask, inside, channel_mask, EVEN_D: tl.constexpr):
-    # EVEN_D: head_dim fills the block, so a corner's tile is masked by row alone. The mask still takes the tile's
-    # shape (an AND with constant true, which the compiler folds away): the interpreter's atomic_add misreads a
-    # mask of another shape than its pointers.
-    if EVEN_D:
-        return (row_mask & inside)[:, None] & tl.full((1, channel_mask.shape[0]), 1, tl.int1)
-    else:
-        return (row_mask & inside)[:, None] & channel_mask[None, :]
-
-
-@triton.jit
 def _forward_level(acc, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, ref_ptr, value_base,
-                   row_stride, sample_base, batch, num_queries, query, q_mask, channel, channel_mask, row_max,
-                   inv_sum, NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr,
-                   FUSED: tl.constexpr, ACC_DTYPE: tl.constexpr, INDEX_DTYPE: tl.constexpr, EVEN_D: tl.constexpr):
+                   row_stride, sample_base, batch, num_queries, query, q_mask, channel, tile_mask, row_max, inv_sum,
+                   NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
+                   ACC_DTYPE: tl.constexpr, INDEX_DTYPE: tl.constexpr):
     # All points of one level: 4 corner gathers of [BLOCK_Q, BLOCK_D] per point, accumulated into acc.
     level_h = tl.load(shapes_ptr + 2 * level).to(tl.int32)
     level_w = tl.load(shapes_ptr + 2 * level + 1).to(tl.int32)
@@ -150,16 +111,17 @@ def _forward_level(acc, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, weigh
         if FUSED:
             weight = tl.exp(weight - row_max) * inv_sum
         taken, frac_x, frac_y, x0, y0 = _pixel_coordinates(loc_x, loc_y, level_hf, level_wf)
-        key_00, key_01, key_10, key_11, in_00, in_01, in_10, in_11 = _corner_keys(x0, y0, taken, level_start,
-                                                                                  level_w, level_h, INDEX_DTYPE)
         for corner in tl.static_range(4):
             dx = corner % 2
             dy = corner // 2
-            key, inside = _corner(corner, key_00, key_01, key_10, key_11, in_00, in_01, in_10, in_11)
+            cx = x0 + dx
+            cy = y0 + dy
+            inside = taken & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
             wx = frac_x if dx == 1 else 1.0 - frac_x
             wy = frac_y if dy == 1 else 1.0 - frac_y
+            key = level_start + (cy * level_w + cx).to(INDEX_DTYPE)
             rows = tl.load(value_ptr + value_base + key[:, None] * row_stride + channel[None, :],
-                           mask=_corner_mask(q_mask, inside, channel_mask, EVEN_D), other=0.0).to(ACC_DTYPE)
+                           mask=tile_mask & inside[:, None], other=0.0).to(ACC_DTYPE)
             acc += (weight * wx * wy)[:, None] * rows
     return acc
 
@@ -178,7 +140,7 @@ def msda_forward_kernel(
     num_keys, num_queries, num_heads, head_dim,
     NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    INDEX_DTYPE: tl.constexpr, EVEN_D: tl.constexpr,
+    INDEX_DTYPE: tl.constexpr,
 ):
     pid_q = tl.program_id(0).to(INDEX_DTYPE)
     head = tl.program_id(1).to(INDEX_DTYPE)
@@ -188,8 +150,7 @@ def msda_forward_kernel(
     query = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_mask = query < num_queries
     channel = tl.arange(0, BLOCK_D)
-    channel_mask = channel < head_dim
-    tile_mask = q_mask[:, None] & channel_mask[None, :]
+    tile_mask = q_mask[:, None] & (channel < head_dim)[None, :]
     row_stride = num_heads * head_dim                        # elements between two keys of value
     value_base = batch * num_keys * row_stride + head * head_dim
     query_row = (batch * num_queries + query) * num_heads + head   # (b, q, h) row of out / weights
@@ -206,8 +167,8 @@ def msda_forward_kernel(
     for level in range(NUM_LEVELS):
         acc = _forward_level(acc, level, value_ptr, shapes_ptr, starts_ptr, loc_ptr, weight_ptr, ref_ptr,
                              value_base, row_stride, sample_base, batch, num_queries, query, q_mask, channel,
-                             channel_mask, row_max, inv_sum, NUM_LEVELS, NUM_POINTS, REF_DIM, FUSED, ACC_DTYPE,
-                             INDEX_DTYPE, EVEN_D)
+                             tile_mask, row_max, inv_sum, NUM_LEVELS, NUM_POINTS, REF_DIM, FUSED, ACC_DTYPE,
+                             INDEX_DTYPE)
     out_offset = query_row[:, None] * head_dim + channel[None, :]
     tl.store(out_ptr + out_offset, acc.to(out_ptr.dtype.element_ty), mask=tile_mask)
 
@@ -231,7 +192,7 @@ def msda_backward_kernel(
     NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr,
-    INDEX_DTYPE: tl.constexpr, EVEN_D: tl.constexpr,
+    INDEX_DTYPE: tl.constexpr,
 ):
     pid_q = tl.program_id(0).to(INDEX_DTYPE)
     head = tl.program_id(1).to(INDEX_DTYPE)
@@ -241,8 +202,7 @@ def msda_backward_kernel(
     query = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
     q_mask = query < num_queries
     channel = tl.arange(0, BLOCK_D)
-    channel_mask = channel < head_dim
-    tile_mask = q_mask[:, None] & channel_mask[None, :]
+    tile_mask = q_mask[:, None] & (channel < head_dim)[None, :]
     row_stride = num_heads * head_dim
     value_base = batch * num_keys * row_stride + head * head_dim
     query_row = (batch * num_queries + query) * num_heads + head
@@ -290,18 +250,19 @@ def msda_backward_kernel(
                 sampled = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
                 d_frac_x = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
                 d_frac_y = tl.zeros((BLOCK_Q, BLOCK_D), dtype=ACC_DTYPE)
-            key_00, key_01, key_10, key_11, in_00, in_01, in_10, in_11 = _corner_keys(
-                x0, y0, taken, level_start, level_w, level_h, INDEX_DTYPE)
             for corner in tl.static_range(4):
                 dx = corner % 2
                 dy = corner // 2
-                key, inside = _corner(corner, key_00, key_01, key_10, key_11, in_00, in_01, in_10, in_11)
+                cx = x0 + dx
+                cy = y0 + dy
+                inside = taken & (cx >= 0) & (cx < level_w) & (cy >= 0) & (cy < level_h)
                 wx = frac_x if dx == 1 else 1.0 - frac_x
                 wy = frac_y if dy == 1 else 1.0 - frac_y
                 sign_x = 1.0 if dx == 1 else -1.0
                 sign_y = 1.0 if dy == 1 else -1.0
+                key = level_start + (cy * level_w + cx).to(INDEX_DTYPE)
                 row_offset = value_base + key[:, None] * row_stride + channel[None, :]
-                corner_mask = _corner_mask(q_mask, inside, channel_mask, EVEN_D)
+                corner_mask = tile_mask & inside[:, None]
                 rows = tl.load(value_ptr + row_offset, mask=corner_mask, other=0.0).to(ACC_DTYPE)
                 if FUSED:
                     dot = tl.sum(grad_out * rows, axis=1)

@@ -126,7 +126,7 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
     tensors = (value, shapes, starts, samples, sample_weights, reference_points if fused else samples, output)
     constexprs = (num_levels, num_points, reference_points.shape[-1] if fused else 2, fused, config.block_q,
                   config.block_d, next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
-                  _index_dtype(value, samples, output), config.block_d == head_dim)
+                  _index_dtype(value, samples, output))
     with launch_device(value):
         _launch(_forward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
     return output
@@ -206,7 +206,7 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
                entry_coefs if deterministic else unused)
     constexprs = (num_levels, num_points, ref_dim, fused, deterministic, config.block_q, config.block_d,
                   next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
-                  _index_dtype(value, samples, grad_output), config.block_d == head_dim)
+                  _index_dtype(value, samples, grad_output))
     with launch_device(value):
         _launch(_backward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
         if deterministic:
