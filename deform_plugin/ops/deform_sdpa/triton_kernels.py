@@ -156,7 +156,10 @@ def _corner_backward_load(k_ptr, v_ptr, rows, inside, offs_d, mask_d, q, grad_ou
 def _corner_backward_scatter(dk_ptr, dv_ptr, rows, inside, offs_d, mask_d, key_grad_scale, value_grad_scale, q,
                              grad_out, EVEN_D: tl.constexpr):
     """Add this corner's share of the sampled key/value gradients into dk and dv (float32 buffers)."""
-    mask = inside[:, None] if EVEN_D else inside[:, None] & mask_d[None, :]
+    # With EVEN_D the row mask still takes the tile's shape (an AND with constant true, folded by the compiler):
+    # the interpreter's atomic_add misreads a mask of another shape than its pointers.
+    full_rows = tl.full((1, mask_d.shape[0]), 1, tl.int1)
+    mask = inside[:, None] & (full_rows if EVEN_D else mask_d[None, :])
     offsets = rows[:, None] + offs_d[None, :]
     tl.atomic_add(dk_ptr + offsets, key_grad_scale[:, None] * q[None, :], mask=mask, sem="relaxed")
     tl.atomic_add(dv_ptr + offsets, value_grad_scale[:, None] * grad_out[None, :], mask=mask, sem="relaxed")
