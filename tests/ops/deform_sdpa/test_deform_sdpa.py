@@ -45,6 +45,7 @@ TINY_SHAPES = [
     (2, 1, 33, 1, 32, 2, 2),  # 33 samples: several key blocks in every dtype, so the online softmax rescales
     (1, 2, 2, 2, 20, 1, 3),  # head_dim 20 padded to 32; a 1-pixel-wide view
     (1, 3, 2, 1, 24, 5, 1),  # 3 views, head_dim 24, odd width
+    (1, 2, 5, 3, 16, 2, 2),  # 3 heads: a head's maps are not the first ones
 ]
 FULL_SHAPES = [
     (2, 8, 32, 16, 32, 14, 14),  # the seed's configuration
