@@ -185,7 +185,7 @@ def msda_backward_kernel(
     grad_value_ptr,   # (B, S, H, D) float32/float64, accumulated atomically (not DETERMINISTIC)
     grad_loc_ptr,     # (B, Q, H, L, P, 2) grad of locations; of the sampling offsets when FUSED
     grad_weight_ptr,  # (B, Q, H, L, P) grad of weights; of the attention logits when FUSED
-    grad_ref_ptr,     # (B, Q, H, L, REF_DIM) float32/float64 per-head grad of reference points (FUSED only)
+    grad_ref_ptr,     # (B, Q, H, L, REF_DIM) float32/float64 per-head grad of reference points (REF_GRAD only)
     entry_key_ptr,    # (B*Q*H*L*P*4,) int64 grad_value row of each corner, -1 if none (DETERMINISTIC only)
     entry_coef_ptr,   # (B*Q*H*L*P*4,) float coefficient of grad_out in that row (DETERMINISTIC only)
     num_keys, num_queries, num_heads, head_dim,
@@ -193,6 +193,7 @@ def msda_backward_kernel(
     DETERMINISTIC: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr,
     INDEX_DTYPE: tl.constexpr,
+    REF_GRAD: tl.constexpr,  # FUSED only: whether the reference points need a gradient (else nothing is stored)
 ):
     pid_q = tl.program_id(0).to(INDEX_DTYPE)
     head = tl.program_id(1).to(INDEX_DTYPE)
@@ -222,7 +223,7 @@ def msda_backward_kernel(
         ref_offset = ((batch * num_queries + query) * NUM_LEVELS + level) * REF_DIM
         ref_x, ref_y, scale_x, scale_y = _level_reference(ref_ptr, ref_offset, level_hf, level_wf, q_mask, FUSED,
                                                           REF_DIM, NUM_POINTS, ACC_DTYPE)
-        if FUSED:
+        if REF_GRAD:
             grad_ref_x = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
             grad_ref_y = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
             grad_box_w = tl.zeros((BLOCK_Q,), dtype=ACC_DTYPE)
@@ -299,10 +300,12 @@ def msda_backward_kernel(
                 else:
                     grad_raw_x = grad_loc_x * scale_x
                     grad_raw_y = grad_loc_y * scale_y
-                    grad_box_w += grad_loc_x * raw_x * (0.5 / NUM_POINTS)
-                    grad_box_h += grad_loc_y * raw_y * (0.5 / NUM_POINTS)
-                grad_ref_x += grad_loc_x
-                grad_ref_y += grad_loc_y
+                    if REF_GRAD:
+                        grad_box_w += grad_loc_x * raw_x * (0.5 / NUM_POINTS)
+                        grad_box_h += grad_loc_y * raw_y * (0.5 / NUM_POINTS)
+                if REF_GRAD:
+                    grad_ref_x += grad_loc_x
+                    grad_ref_y += grad_loc_y
                 tl.store(grad_loc_ptr + sample * 2, grad_raw_x, mask=q_mask)
                 tl.store(grad_loc_ptr + sample * 2 + 1, grad_raw_y, mask=q_mask)
             else:
@@ -310,7 +313,7 @@ def msda_backward_kernel(
                 tl.store(grad_loc_ptr + sample * 2 + 1, grad_loc_y, mask=q_mask)
             # FUSED: the gradient of the weight, which the softmax backward below turns into the logit's.
             tl.store(grad_weight_ptr + sample, grad_weight, mask=q_mask)
-        if FUSED:
+        if REF_GRAD:
             grad_ref_offset = (query_row * NUM_LEVELS + level) * REF_DIM
             tl.store(grad_ref_ptr + grad_ref_offset, grad_ref_x, mask=q_mask)
             tl.store(grad_ref_ptr + grad_ref_offset + 1, grad_ref_y, mask=q_mask)

@@ -146,18 +146,19 @@ def msda_backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes
 def fused_msda_backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_shapes: torch.Tensor,
                         level_start_index: torch.Tensor, reference_points: torch.Tensor,
                         sampling_offsets: torch.Tensor, attention_logits: torch.Tensor, deterministic: bool = False,
-                        config: Optional[LaunchConfig] = None
-                        ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                        config: Optional[LaunchConfig] = None, reference_grad: bool = True
+                        ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Backward of the fused op: ``(grad_value, grad_reference_points, grad_sampling_offsets,
-    grad_attention_logits)``."""
+    grad_attention_logits)``; ``grad_reference_points`` is None without ``reference_grad`` (the DETRs' reference
+    points are constants or detached: the kernel then stores no per-head gradient and nothing sums it)."""
     grad_value, grad_offsets, grad_logits, grad_reference = _backward(
         grad_output, value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
-        reference_points.contiguous(), deterministic, config)
+        reference_points.contiguous(), deterministic, config, reference_grad)
     return grad_value, grad_reference, grad_offsets, grad_logits
 
 
 def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sample_weights, reference_points,
-              deterministic, config):
+              deterministic, config, reference_grad=True):
     """Gradients of value, samples, sample weights (and reference points when fused), each in its input's dtype.
 
     ``grad_value`` is accumulated with float32 atomics (float64 for float64 values), or, with ``deterministic``,
@@ -172,6 +173,7 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     _, num_queries, _, num_levels, num_points, _ = samples.shape
     fused = reference_points is not None
     ref_dim = reference_points.shape[-1] if fused else 2
+    reference_grad = fused and reference_grad
 
     grad_samples = torch.empty_like(samples)
     buffer_dtype = _grad_value_buffer_dtype(value)
@@ -181,9 +183,9 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     grad_sample_weights = (torch.empty(sample_weights.shape, device=value.device, dtype=torch.float32)
                            if fused_weights_scratch else torch.empty_like(sample_weights))
     grad_ref_per_head = (torch.empty((batch, num_queries, num_heads, num_levels, ref_dim), device=value.device,
-                                     dtype=buffer_dtype) if fused else None)
+                                     dtype=buffer_dtype) if reference_grad else None)
     if grad_output.numel() == 0 or value.numel() == 0:
-        grad_reference = torch.zeros_like(reference_points) if fused else None
+        grad_reference = torch.zeros_like(reference_points) if reference_grad else None
         return torch.zeros_like(value), grad_samples.zero_(), torch.zeros_like(sample_weights), grad_reference
 
     num_entries = batch * num_queries * num_heads * num_levels * num_points * 4
@@ -202,11 +204,11 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     unused = grad_samples  # stands for pointer arguments a variant does not use
     tensors = (grad_output, value, shapes, starts, samples, sample_weights, reference_points if fused else samples,
                grad_value_accum if grad_value_accum is not None else unused, grad_samples, grad_sample_weights,
-               grad_ref_per_head if fused else unused, entry_keys if deterministic else unused,
+               grad_ref_per_head if reference_grad else unused, entry_keys if deterministic else unused,
                entry_coefs if deterministic else unused)
     constexprs = (num_levels, num_points, ref_dim, fused, deterministic, config.block_q, config.block_d,
                   next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
-                  _index_dtype(value, samples, grad_output))
+                  _index_dtype(value, samples, grad_output), reference_grad)
     with launch_device(value):
         _launch(_backward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
         if deterministic:
@@ -214,7 +216,7 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
                                                      num_levels * num_points * 4)
         else:
             grad_value = grad_value_accum.to(value.dtype)
-    grad_reference = grad_ref_per_head.sum(2).to(reference_points.dtype) if fused else None
+    grad_reference = grad_ref_per_head.sum(2).to(reference_points.dtype) if reference_grad else None
     if fused_weights_scratch:
         grad_sample_weights = grad_sample_weights.to(sample_weights.dtype)
     return grad_value, grad_samples, grad_sample_weights, grad_reference

@@ -147,7 +147,8 @@ class _EagerFusedMSDA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grads = triton_launch.fused_msda_backward(grad_output, *ctx.saved_tensors,
-                                                  deterministic=torch.are_deterministic_algorithms_enabled())
+                                                  deterministic=torch.are_deterministic_algorithms_enabled(),
+                                                  reference_grad=ctx.needs_input_grad[3])
         grad_value, grad_reference, grad_offsets, grad_logits = grads
         return grad_value, None, None, grad_reference, grad_offsets, grad_logits
 
