@@ -66,6 +66,12 @@ def _corner_rows(plane, left, top, valid, width, height, head_dim):
 
 
 @triton.jit
+def _corner_weights(frac_x, frac_y):
+    """The four corners' bilinear weights, in _corner_rows' order."""
+    return (1.0 - frac_x) * (1.0 - frac_y), frac_x * (1.0 - frac_y), (1.0 - frac_x) * frac_y, frac_x * frac_y
+
+
+@triton.jit
 def _load_rows(ptr, rows, inside, offs_d, mask_d, EVEN_D: tl.constexpr):
     """A (BLOCK_T, BLOCK_D) float32 tile of the rows at element offsets ``rows``; rows outside the map read 0."""
     mask = inside[:, None] if EVEN_D else inside[:, None] & mask_d[None, :]
@@ -112,10 +118,7 @@ def deform_sdpa_forward_kernel(
         plane = ((batch * num_views + view) * num_heads + head) * num_pixels  # first pixel of the sampled map
         row_00, row_01, row_10, row_11, in_00, in_01, in_10, in_11 = _corner_rows(plane, left, top, valid, width,
                                                                                   height, head_dim)
-        w00 = (1.0 - frac_x) * (1.0 - frac_y)
-        w01 = frac_x * (1.0 - frac_y)
-        w10 = (1.0 - frac_x) * frac_y
-        w11 = frac_x * frac_y
+        w00, w01, w10, w11 = _corner_weights(frac_x, frac_y)
         # The sampled key is formed in registers (four multiply-adds per element) and the score is one reduction
         # over channels per sample; four per-corner dot products cost four cross-thread reductions.
         sampled_key = w00[:, None] * _load_rows(k_ptr, row_00, in_00, offs_d, mask_d, EVEN_D)
@@ -212,10 +215,7 @@ def deform_sdpa_backward_kernel(
 
         row_00, row_01, row_10, row_11, in_00, in_01, in_10, in_11 = _corner_rows(plane, left, top, valid, width,
                                                                                   height, head_dim)
-        w00 = (1.0 - frac_x) * (1.0 - frac_y)
-        w01 = frac_x * (1.0 - frac_y)
-        w10 = (1.0 - frac_x) * frac_y
-        w11 = frac_x * frac_y
+        w00, w01, w10, w11 = _corner_weights(frac_x, frac_y)
         k00, qk00, gv00 = _corner_backward_load(k_ptr, v_ptr, row_00, in_00, offs_d, mask_d, q, grad_out, EVEN_D)
         k01, qk01, gv01 = _corner_backward_load(k_ptr, v_ptr, row_01, in_01, offs_d, mask_d, q, grad_out, EVEN_D)
         k10, qk10, gv10 = _corner_backward_load(k_ptr, v_ptr, row_10, in_10, offs_d, mask_d, q, grad_out, EVEN_D)

@@ -324,13 +324,15 @@ def test_fused_path_matches_reference(ref_dim, dtype_name):
         assert relative_error(actual, expected) <= limit, name
 
 
+@pytest.mark.parametrize("dtype_name", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("ref_dim", [2, 4], ids=["points2d", "boxes4d"])
-def test_fused_backward_without_reference_grad(ref_dim):
+def test_fused_backward_without_reference_grad(ref_dim, dtype_name):
     """Constant reference points (the DETRs' encoder) or detached ones (their refining decoders): the kernel stores no
     per-head reference gradient, and the other gradients are those of a call that differentiates the points too."""
+    dtype = DTYPES[dtype_name]
     value, shapes, starts, reference, offsets, logits = make_fused_case([(6, 7), (3, 4)], 2, 5, 2, 16, 3, ref_dim,
-                                                                        torch.float32, seed=4)
-    grad_output = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+                                                                        dtype, seed=4)
+    grad_output = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE, dtype)
     with_reference = [t.detach().clone().requires_grad_() for t in (value, reference, offsets, logits)]
     out = fused_multi_scale_deformable_attn_triton(with_reference[0], shapes, starts, *with_reference[1:])
     expected = torch.autograd.grad(out, with_reference, grad_output)
@@ -338,8 +340,9 @@ def test_fused_backward_without_reference_grad(ref_dim):
     out = fused_multi_scale_deformable_attn_triton(without[0], shapes, starts, *without[1:])
     actual = torch.autograd.grad(out, [without[0], without[2], without[3]], grad_output)
     for name, got, want in zip(("value", "offsets", "logits"), actual, (expected[0], *expected[2:])):
-        # The GPU's atomics add into grad_value in a varying order.
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+        # The GPU's atomics add into grad_value in a varying order (float32 accumulation, rounded once per dtype).
+        torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-7 if dtype == torch.float32 else 1e-3, msg=name)
     from deform_plugin.ops.msda import triton_launch
     grads = triton_launch.fused_msda_backward(grad_output, value, shapes, starts, reference, offsets, logits,
                                               reference_grad=False)
