@@ -1,6 +1,6 @@
 """Triton kernels of deformable scaled dot-product attention: bilinear sampling fused into a flash-style softmax.
 
-One program handles one query: (batch, view, head, pixel), pixels fastest. It walks the query's
+One program handles one query (batch, view, head, pixel); pixels vary fastest over the programs. It walks the query's
 ``num_views * num_samples`` sampling points in blocks of ``BLOCK_T``, gathers the four bilinear corners of the keys
 and values straight from the input maps, and keeps an online softmax, so the sampled keys and values never reach
 global memory. The backward
@@ -92,13 +92,18 @@ def deform_sdpa_forward_kernel(
     NUM_KEYS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     INDEX_DTYPE: tl.constexpr,
 ):
-    # Pixels vary fastest: programs resident together gather from the same (batch, head) maps, which helps L1.
-    row = tl.program_id(0).to(INDEX_DTYPE)  # flat (batch, view, head, pixel)
-    pixel = row % num_pixels
-    batch_view_head = row // num_pixels
-    head = batch_view_head % num_heads
-    batch_view = batch_view_head // num_heads
-    batch = batch_view // num_views
+    # Programs run in (batch, head, view, pixel) order: those resident on the GPU at one time are queries of one
+    # (batch, head), and every one of them samples the same num_views maps of that head, so their corner rows hit
+    # in L1. In (batch, view, head, pixel) order a wave spans ~10 heads' maps and the forward took 11% longer.
+    program = tl.program_id(0).to(INDEX_DTYPE)
+    pixel = program % num_pixels
+    batch_head_view = program // num_pixels
+    query_view = batch_head_view % num_views
+    batch_head = batch_head_view // num_views
+    head = batch_head % num_heads
+    batch = batch_head // num_heads
+    batch_view = batch * num_views + query_view
+    row = (batch_view * num_heads + head) * num_pixels + pixel  # flat (batch, view, head, pixel): q, out, lse
     query = batch_view * num_pixels + pixel  # flat (batch, view, pixel): the row of coords
 
     offs_d = tl.arange(0, BLOCK_D)
@@ -186,7 +191,9 @@ def deform_sdpa_backward_kernel(
     NUM_KEYS: tl.constexpr, COORDS_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, INDEX_DTYPE: tl.constexpr,
 ):
-    row = tl.program_id(0).to(INDEX_DTYPE)  # flat (batch, view, head, pixel), as in the forward
+    # (batch, view, head, pixel) order, not the forward's: programs of one head at once would add into the same
+    # dk/dv rows together, and the backward measured 16% slower so (docs/deform_sdpa.md).
+    row = tl.program_id(0).to(INDEX_DTYPE)  # flat (batch, view, head, pixel)
     pixel = row % num_pixels
     batch_view_head = row // num_pixels
     head = batch_view_head % num_heads

@@ -46,6 +46,7 @@ TINY_SHAPES = [
     (1, 2, 2, 2, 20, 1, 3),  # head_dim 20 padded to 32; a 1-pixel-wide view
     (1, 3, 2, 1, 24, 5, 1),  # 3 views, head_dim 24, odd width
     (1, 2, 5, 3, 16, 2, 2),  # 3 heads: a head's maps are not the first ones
+    (2, 2, 3, 2, 16, 2, 2),  # batch, views and heads all above 1: the forward's program order differs from the layout
 ]
 FULL_SHAPES = [
     (2, 8, 32, 16, 32, 14, 14),  # the seed's configuration
