@@ -306,11 +306,14 @@ def msda_backward_kernel(
                 if REF_GRAD:
                     grad_ref_x += grad_loc_x
                     grad_ref_y += grad_loc_y
-                tl.store(grad_loc_ptr + sample * 2, grad_raw_x, mask=q_mask)
-                tl.store(grad_loc_ptr + sample * 2 + 1, grad_raw_y, mask=q_mask)
             else:
-                tl.store(grad_loc_ptr + sample * 2, grad_loc_x, mask=q_mask)
-                tl.store(grad_loc_ptr + sample * 2 + 1, grad_loc_y, mask=q_mask)
+                grad_raw_x = grad_loc_x
+                grad_raw_y = grad_loc_y
+            # x and y in one 8-byte store per query (grad_raw: of the locations, or FUSED of the offsets): each
+            # [BLOCK_Q] store writes into BLOCK_Q sectors, and the kernel is bound by the L2's throughput.
+            xy = tl.arange(0, 2)
+            tl.store(grad_loc_ptr + sample[:, None] * 2 + xy[None, :], tl.join(grad_raw_x, grad_raw_y),
+                     mask=q_mask[:, None] & (xy < 2)[None, :])
             # FUSED: the gradient of the weight, which the softmax backward below turns into the logit's.
             tl.store(grad_weight_ptr + sample, grad_weight, mask=q_mask)
         if REF_GRAD:
