@@ -188,6 +188,8 @@ def msda_backward_kernel(
     grad_ref_ptr,     # (B, Q, H, L, REF_DIM) float32/float64 per-head grad of reference points (REF_GRAD only)
     entry_key_ptr,    # (B*Q*H*L*P*4,) int64 grad_value row of each corner, -1 if none (DETERMINISTIC only)
     entry_coef_ptr,   # (B*Q*H*L*P*4,) float coefficient of grad_out in that row (DETERMINISTIC only)
+    weight_scratch_ptr,  # (B, H, L*P, Q) float32/float64 per-sample weight gradients, queries fastest (FUSED only)
+    offset_scratch_ptr,  # (B, H, L*P, 2, Q) per-sample offset gradients in grad_loc's dtype, queries fastest (FUSED)
     num_keys, num_queries, num_heads, head_dim,
     NUM_LEVELS: tl.constexpr, NUM_POINTS: tl.constexpr, REF_DIM: tl.constexpr, FUSED: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
@@ -309,13 +311,22 @@ def msda_backward_kernel(
             else:
                 grad_raw_x = grad_loc_x
                 grad_raw_y = grad_loc_y
-            # x and y in one 8-byte store per query (grad_raw: of the locations, or FUSED of the offsets): each
-            # [BLOCK_Q] store writes into BLOCK_Q sectors, and the kernel is bound by the L2's throughput.
-            xy = tl.arange(0, 2)
-            tl.store(grad_loc_ptr + sample[:, None] * 2 + xy[None, :], tl.join(grad_raw_x, grad_raw_y),
-                     mask=q_mask[:, None] & (xy < 2)[None, :])
-            # FUSED: the gradient of the weight, which the softmax backward below turns into the logit's.
-            tl.store(grad_weight_ptr + sample, grad_weight, mask=q_mask)
+            if FUSED:
+                # The softmax backward below needs all L*P weight gradients of a query. They wait in scratch
+                # laid out queries fastest, where a sample's [BLOCK_Q] store fills whole sectors; the offsets'
+                # gradients wait there too and leave with them as one contiguous run per query. Stored in the
+                # outputs' layout, each [BLOCK_Q] store would put a few bytes into BLOCK_Q sectors: L2
+                # operations, in a kernel that the L2's throughput bounds (grad_value's reductions).
+                lp_row = (batch * num_heads + head) * NUM_LP + level * NUM_POINTS + point
+                tl.store(weight_scratch_ptr + lp_row * num_queries + query, grad_weight, mask=q_mask)
+                tl.store(offset_scratch_ptr + (lp_row * 2) * num_queries + query, grad_raw_x, mask=q_mask)
+                tl.store(offset_scratch_ptr + (lp_row * 2 + 1) * num_queries + query, grad_raw_y, mask=q_mask)
+            else:
+                # x and y in one 8-byte store per query: half the partially written sectors of two stores.
+                xy = tl.arange(0, 2)
+                tl.store(grad_loc_ptr + sample[:, None] * 2 + xy[None, :], tl.join(grad_raw_x, grad_raw_y),
+                         mask=q_mask[:, None] & (xy < 2)[None, :])
+                tl.store(grad_weight_ptr + sample, grad_weight, mask=q_mask)
         if REF_GRAD:
             grad_ref_offset = (query_row * NUM_LEVELS + level) * REF_DIM
             tl.store(grad_ref_ptr + grad_ref_offset, grad_ref_x, mask=q_mask)
@@ -324,18 +335,28 @@ def msda_backward_kernel(
                 tl.store(grad_ref_ptr + grad_ref_offset + 2, grad_box_w, mask=q_mask)
                 tl.store(grad_ref_ptr + grad_ref_offset + 3, grad_box_h, mask=q_mask)
     if FUSED:
-        # Softmax backward, d logit_j = w_j * (g_j - sum_k w_k g_k), needs all L*P weight gradients of a query:
-        # they went to memory above (float32) rather than staying live in registers through the gather loop, and
-        # come back as one [BLOCK_Q, BLOCK_LP] tile once every thread of the program has stored its own.
+        # Softmax backward, d logit_j = w_j * (g_j - sum_k w_k g_k), on the query's L*P weight gradients, back from
+        # scratch as one [BLOCK_Q, BLOCK_LP] tile once every thread of the program has stored its own (they do not
+        # stay live in registers through the gather loop).
         tl.debug_barrier()
         lp_cols = tl.arange(0, BLOCK_LP)
-        lp_offset = sample_base[:, None] + lp_cols[None, :]
         lp_mask = q_mask[:, None] & (lp_cols < NUM_LP)[None, :]
+        lp_rows = (batch * num_heads + head) * NUM_LP + lp_cols[None, :]
+        grad_weights = tl.load(weight_scratch_ptr + lp_rows * num_queries + query[:, None], mask=lp_mask,
+                               other=0.0).to(ACC_DTYPE)
+        lp_offset = sample_base[:, None] + lp_cols[None, :]
         logits = tl.load(weight_ptr + lp_offset, mask=lp_mask, other=float("-inf")).to(ACC_DTYPE)
         weights = tl.exp(logits - row_max[:, None]) * inv_sum[:, None]
-        grad_weights = tl.load(grad_weight_ptr + lp_offset, mask=lp_mask, other=0.0).to(ACC_DTYPE)
         weighted_sum = tl.sum(weights * grad_weights, axis=1)
         tl.store(grad_weight_ptr + lp_offset, weights * (grad_weights - weighted_sum[:, None]), mask=lp_mask)
+        grad_x = tl.load(offset_scratch_ptr + (lp_rows * 2) * num_queries + query[:, None], mask=lp_mask, other=0.0)
+        grad_y = tl.load(offset_scratch_ptr + (lp_rows * 2 + 1) * num_queries + query[:, None], mask=lp_mask,
+                         other=0.0)
+        # (x, y) pairs in the offsets' layout: one contiguous run of 2 * L * P values per query.
+        grad_xy = tl.reshape(tl.join(grad_x, grad_y), (BLOCK_Q, 2 * BLOCK_LP))
+        xy_cols = tl.arange(0, 2 * BLOCK_LP)
+        tl.store(grad_loc_ptr + sample_base[:, None] * 2 + xy_cols[None, :], grad_xy,
+                 mask=q_mask[:, None] & (xy_cols < 2 * NUM_LP)[None, :])
 
 
 @triton.jit

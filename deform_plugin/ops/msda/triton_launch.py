@@ -177,11 +177,14 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
 
     grad_samples = torch.empty_like(samples)
     buffer_dtype = _grad_value_buffer_dtype(value)
-    # The fused kernel stores each weight's gradient and reads a query's L*P of them back for the softmax
-    # backward, whose subtraction cancels: they stay in float32 (or float64) until the logits' gradient is final.
-    fused_weights_scratch = fused and sample_weights.dtype not in (torch.float32, torch.float64)
-    grad_sample_weights = (torch.empty(sample_weights.shape, device=value.device, dtype=torch.float32)
-                           if fused_weights_scratch else torch.empty_like(sample_weights))
+    grad_sample_weights = torch.empty_like(sample_weights)
+    if fused:
+        # Per-sample gradients, queries fastest, until the kernel's softmax backward (see the kernel). The weights'
+        # stay in float32 (or float64): that subtraction cancels.
+        weight_scratch = torch.empty((batch, num_heads, num_levels * num_points, num_queries), device=value.device,
+                                     dtype=buffer_dtype)
+        offset_scratch = torch.empty((batch, num_heads, num_levels * num_points, 2, num_queries),
+                                     device=value.device, dtype=samples.dtype)
     grad_ref_per_head = (torch.empty((batch, num_queries, num_heads, num_levels, ref_dim), device=value.device,
                                      dtype=buffer_dtype) if reference_grad else None)
     if grad_output.numel() == 0 or value.numel() == 0:
@@ -205,7 +208,8 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     tensors = (grad_output, value, shapes, starts, samples, sample_weights, reference_points if fused else samples,
                grad_value_accum if grad_value_accum is not None else unused, grad_samples, grad_sample_weights,
                grad_ref_per_head if reference_grad else unused, entry_keys if deterministic else unused,
-               entry_coefs if deterministic else unused)
+               entry_coefs if deterministic else unused, weight_scratch if fused else unused,
+               offset_scratch if fused else unused)
     constexprs = (num_levels, num_points, ref_dim, fused, deterministic, config.block_q, config.block_d,
                   next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
                   _index_dtype(value, samples, grad_output), reference_grad)
@@ -217,8 +221,6 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
         else:
             grad_value = grad_value_accum.to(value.dtype)
     grad_reference = grad_ref_per_head.sum(2).to(reference_points.dtype) if reference_grad else None
-    if fused_weights_scratch:
-        grad_sample_weights = grad_sample_weights.to(sample_weights.dtype)
     return grad_value, grad_samples, grad_sample_weights, grad_reference
 
 
