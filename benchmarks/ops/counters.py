@@ -84,9 +84,11 @@ def launch_target(spec: str) -> None:
 
         name = "op" if parts[0] == "msda" else "fused op"
         dist = parts[2] if parts[0] == "msda" else "uniform"
-        entry = next(e for e in entries(CASES[parts[1]], dtype, dist) if e.name == name)
-        out = entry.call()
-        run = _forward_backward(entry, torch.randn_like(out))
+        case = CASES[parts[1]]
+        entry = next(e for e in entries(case, dtype, dist) if e.name == name)
+        grad_output = torch.randn(case.batch, case.num_queries, case.heads * case.head_dim, device="cuda",
+                                  dtype=dtype)
+        run = _forward_backward(entry, grad_output)
     run()
     torch.cuda.synchronize()
 
@@ -195,9 +197,10 @@ def main(argv=None, description: Optional[str] = None) -> int:
             rows += [dict(target=spec, **row) for row in parse_raw_csv(exported.stdout)]
     machine = machine_line(machine_info())
     header = ["target", "kernel", *COUNTERS]
-    table = markdown_table(header, format_rows(rows))
+    cells = format_rows(rows)
+    table = markdown_table(header, cells)
     print(machine)
-    print(markdown_table(header, format_rows(rows), pad=True))
+    print(markdown_table(header, cells, pad=True))
     (out_dir / "kernel_counters.md").write_text(machine + "\n\n" + table + "\n")
     write_csv(out_dir / "kernel_counters.csv", [dict(row, machine=machine) for row in rows], append=True)
     return 0

@@ -178,6 +178,12 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     grad_samples = torch.empty_like(samples)
     buffer_dtype = _grad_value_buffer_dtype(value)
     grad_sample_weights = torch.empty_like(sample_weights)
+    grad_ref_per_head = (torch.empty((batch, num_queries, num_heads, num_levels, ref_dim), device=value.device,
+                                     dtype=buffer_dtype) if reference_grad else None)
+    if grad_output.numel() == 0 or value.numel() == 0:
+        grad_reference = torch.zeros_like(reference_points) if reference_grad else None
+        return torch.zeros_like(value), grad_samples.zero_(), torch.zeros_like(sample_weights), grad_reference
+
     if fused:
         # Per-sample gradients, queries fastest, until the kernel's softmax backward (see the kernel). The weights'
         # stay in float32 (or float64): that subtraction cancels.
@@ -185,11 +191,6 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
                                      dtype=buffer_dtype)
         offset_scratch = torch.empty((batch, num_heads, num_levels * num_points, 2, num_queries),
                                      device=value.device, dtype=samples.dtype)
-    grad_ref_per_head = (torch.empty((batch, num_queries, num_heads, num_levels, ref_dim), device=value.device,
-                                     dtype=buffer_dtype) if reference_grad else None)
-    if grad_output.numel() == 0 or value.numel() == 0:
-        grad_reference = torch.zeros_like(reference_points) if reference_grad else None
-        return torch.zeros_like(value), grad_samples.zero_(), torch.zeros_like(sample_weights), grad_reference
 
     num_entries = batch * num_queries * num_heads * num_levels * num_points * 4
     if deterministic:
