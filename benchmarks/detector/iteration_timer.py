@@ -96,14 +96,19 @@ def fixed_pad_size(preprocessor) -> Optional[Tuple[int, int]]:
 
 def _graphed_regions(model) -> list:
     """The graphed training regions of ``model`` (empty without graphed training)."""
-    return [module.graphed_training_region for module in (model.modules() if model is not None else ())
-            if getattr(module, "graphed_training_region", None) is not None]
+    regions = []
+    for module in (model.modules() if model is not None else ()):
+        if getattr(module, "graphed_training_region", None) is not None:
+            regions.extend(getattr(module, "graphed_training_regions", None) or (module.graphed_training_region,))
+    return regions
 
 
 def _graphed_training_stats(model=None, regions=None) -> Optional[dict]:
     """What the graph-replayed training did (captures, their host seconds and where those went, eager calls,
     replays, captures made at a shape's first call and those that failed there), summed over the model's graphed
-    regions (or the ``regions`` given); None without any."""
+    regions (or the ``regions`` given); None without any. Host seconds count every region; the counts only those
+    that report signatures (a region that always runs beside another, such as a detector's separately graphed
+    backbone, would count each shape twice)."""
     regions = _graphed_regions(model) if regions is None else regions
     if not regions:
         return None
@@ -111,13 +116,14 @@ def _graphed_training_stats(model=None, regions=None) -> Optional[dict]:
     for region in regions:
         for phase, seconds in region.capture_phase_seconds.items():
             phases[phase] = phases.get(phase, 0.0) + seconds
-    return dict(captures=sum(len(region.captured) for region in regions),
+    counted = [region for region in regions if getattr(region, "reports_signatures", True)]
+    return dict(captures=sum(len(region.captured) for region in counted),
                 capture_seconds=sum(region.capture_seconds for region in regions),
                 capture_phase_seconds=phases,
-                eager_calls=sum(region.eager_calls for region in regions),
-                replays=sum(region.replays for region in regions),
+                eager_calls=sum(region.eager_calls for region in counted),
+                replays=sum(region.replays for region in counted),
                 fallbacks=sum(len(region.eager_reasons) for region in regions),
-                first_call_captures=sum(region.first_call_captures for region in regions),
+                first_call_captures=sum(region.first_call_captures for region in counted),
                 first_call_capture_failures=sum(len(region.first_call_capture_failures) for region in regions))
 
 

@@ -37,6 +37,9 @@ class FastPathsHook(Hook):
             layers, from the assignments solved ahead (turns ``batched_matching`` on too); DINO's denoising losses
             in one pass as well.
         cuda_graphs (bool): the network's training forward and backward replayed from CUDA graphs, per input shape.
+        split_graphs_at_features (bool, optional): with ``cuda_graphs``, the DETRs' backbone and neck captured as a
+            region of their own, so that DistributedDataParallel all-reduces the other gradients while the
+            backbone's backward replays. None (the default): only where the run is distributed.
         relu_dropout_fusion (bool): mmcv ``FFN``'s ReLU and dropout keep one activation for backward instead of
             three (less memory; the same outputs, random draws and gradients).
         ffn_recompute (bool): mmcv ``FFN``s without dropout keep only their input and recompute their hidden layer
@@ -48,12 +51,14 @@ class FastPathsHook(Hook):
     def __init__(self, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
                  batched_matching: bool = False, sync_free_losses: bool = False, sync_free_forward: bool = False,
                  batched_losses: bool = False, cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
-                 ffn_recompute: bool = False):
+                 ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None):
         self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs),
                              batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses),
                              sync_free_forward=bool(sync_free_forward), batched_losses=bool(batched_losses),
                              cuda_graphs=bool(cuda_graphs), relu_dropout_fusion=bool(relu_dropout_fusion),
                              ffn_recompute=bool(ffn_recompute))
+        self.split_graphs_at_features = (None if split_graphs_at_features is None
+                                         else bool(split_graphs_at_features))
 
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
@@ -61,7 +66,8 @@ class FastPathsHook(Hook):
         # The one-time host work of the first Triton call, on a thread, while the run initialises its weights and
         # its data loader's workers start (it would otherwise fall in the first iteration).
         prepare_triton_in_background()
-        changed = apply_fast_paths(runner.model, **self.switches)
+        changed = apply_fast_paths(runner.model, **self.switches,
+                                   split_graphs_at_features=self.split_graphs_at_features)
         print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
 
 
@@ -271,7 +277,8 @@ def fast_path_switches_from_config(cfg) -> dict:
     switches = {}
     for hook_cfg in cfg.get("custom_hooks", None) or []:
         if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
-            switches.update({k: bool(v) for k, v in hook_cfg.items() if k not in ("type", "priority")})
+            switches.update({k: None if v is None else bool(v) for k, v in hook_cfg.items()
+                             if k not in ("type", "priority")})
     return switches
 
 

@@ -110,31 +110,43 @@ def _loss_and_grads(detector, inputs, samples, seed=3):
 _TEST_DTYPES = {"deformable-detr-two-stage": torch.float64, "dino": torch.float64, "mask2former": torch.float32}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_replays_give_the_stock_losses_and_gradients_for_other_image_sizes(name):
+# DINO also with its backbone and neck graphed as a region of their own, as the DETRs run under DDP (DINO's region
+# takes the most inputs; Deformable-DETR's passes the features the same way). Mask2Former keeps one region.
+@pytest.mark.parametrize("name,split", [(name, False) for name in CONFIGS] + [("dino", True)])
+def test_replays_give_the_stock_losses_and_gradients_for_other_image_sizes(name, split):
     dtype = _TEST_DTYPES[name]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # DINO's denoising generator makes its query tables with the default dtype
     try:
-        _check_replays_against_stock(name, dtype)
+        _check_replays_against_stock(name, dtype, split)
     finally:
         torch.set_default_dtype(previous)
 
 
-def _check_replays_against_stock(name, dtype):
+def _check_replays_against_stock(name, dtype, split):
     stock = _detector(name, dtype=dtype)
     fast = copy.deepcopy(stock)
     # Mask2Former as its fast config runs it: the replayed network feeds the one-pass matching and losses. The FFN
     # memory paths are captured and replayed too: Deformable-DETR's twelve FFNs (dropout 0.1) fuse their ReLU and
     # dropout, DINO's and Mask2Former's (dropout 0) recompute their hidden layers in the backward.
     changed = apply_fast_paths(fast, cuda_graphs=True, batched_matching=name == "mask2former",
-                               relu_dropout_fusion=True, ffn_recompute=True)
+                               relu_dropout_fusion=True, ffn_recompute=True, split_graphs_at_features=split)
     assert changed["cuda_graphs"] == 1 and changed["sync_free_forward"] == 1  # the detector or the pixel decoder
     assert changed["relu_dropout_fusion"] == (12 if name == "deformable-detr-two-stage" else 0)
     assert (changed["ffn_recompute"] > 0) == (name != "deformable-detr-two-stage")
     assert changed.get("batched_matching", 1) == 1
     region = fast.graphed_training_region
-    region.__class__ = EmulatedGraphRegion
+    regions = fast.graphed_training_regions
+    assert len(regions) == (2 if split else 1) and regions[-1] is region
+    for each in regions:
+        each.__class__ = EmulatedGraphRegion
+    if split:  # the first region differentiates the backbone's and neck's parameters, the second all the others
+        trainable = {id(p) for p in fast.parameters() if p.requires_grad}
+        features = {id(p) for m in (fast.backbone, fast.neck) for p in m.parameters() if p.requires_grad}
+        named = dict(fast.named_parameters())
+        assert {id(named[n]) for n in named if named[n].requires_grad and regions[0].parameter_filter(n)} == features
+        assert {id(named[n]) for n in named if named[n].requires_grad and regions[1].parameter_filter(n)} == (
+            trainable - features)
     # float32: the same kernels on the same values, up to the order of gradient accumulation.
     loss_tolerance, grad_tolerance = (dict(rtol=1e-10, atol=1e-12), dict(rtol=1e-8, atol=1e-10)) if (
         dtype == torch.float64) else (dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6))
@@ -150,7 +162,8 @@ def _check_replays_against_stock(name, dtype):
         for ours, theirs in zip(got_grads, expected_grads):
             if theirs is not None:
                 torch.testing.assert_close(ours, theirs, **grad_tolerance)
-    assert (region.eager_calls, region.replays, len(region.captured), region.first_call_captures) == (1, 3, 2, 1)
+    for each in regions:
+        assert (each.eager_calls, each.replays, len(each.captured), each.first_call_captures) == (1, 3, 2, 1)
 
 
 # ---- the replay machinery, on a small region ----------------------------------------------------------------------
@@ -418,15 +431,30 @@ def test_max_graphs_bounds_the_captured_signatures():
 
 
 class _RegionCaller(nn.Module):
-    """What DistributedDataParallel wraps: a module whose forward is the region (as a detector's ``loss`` is)."""
+    """What DistributedDataParallel wraps: a module whose forward is the region (as a detector's ``loss`` is), or
+    two regions in a row that split the network's parameters (as a DETR's graphed backbone and transformer)."""
 
-    def __init__(self, net):
+    def __init__(self, net, split=False):
         super().__init__()
         self.net = net
-        self.region = EmulatedGraphRegion(_small_region(net), net, name="ddp region")
+        if not split:
+            self.regions = [EmulatedGraphRegion(_small_region(net), net, name="ddp region")]
+            return
+
+        def first(x, scale):
+            return (torch.tanh(net.a(x)) * scale[:, None],), None
+
+        def second(hidden):
+            return dict(out=net.frozen(net.b(hidden)), flags=[hidden > 0, None]), ("constant", hidden.shape[0])
+        self.regions = [EmulatedGraphRegion(first, net, name="first", parameter_filter=lambda n: n.startswith("a.")),
+                        EmulatedGraphRegion(second, net, name="second",
+                                            parameter_filter=lambda n: not n.startswith("a."))]
 
     def forward(self, x, scale):
-        return self.region(x, scale)
+        if len(self.regions) == 1:
+            return self.regions[0](x, scale)
+        (hidden,), _ = self.regions[0](x, scale)
+        return self.regions[1](hidden)
 
 
 def _ddp_batch(rank, step):
@@ -436,32 +464,35 @@ def _ddp_batch(rank, step):
             torch.rand(rows, generator=generator, dtype=torch.float64))
 
 
-def _ddp_worker(rank, out_dir, ddp_options):
+def _ddp_worker(rank, out_dir, ddp_options, split):
     from torch.nn.parallel import DistributedDataParallel
     torch.manual_seed(0)
     net = _Net().double()
     net.unused.requires_grad_(False)  # DDP (without find_unused_parameters) wants a gradient for the rest
-    caller = _RegionCaller(net)
+    caller = _RegionCaller(net, split)
     model = DistributedDataParallel(caller, **ddp_options)
     grads = []
     for step in range(4):  # warm-up, capture, replays
         model.zero_grad(set_to_none=True)
         _step(model, *_ddp_batch(rank, step), step)
         grads.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
-    torch.save(dict(grads=grads, replays=caller.region.replays, eager_calls=caller.region.eager_calls),
+    torch.save(dict(grads=grads, counts=[(region.eager_calls, region.replays) for region in caller.regions]),
                out_dir / f"rank{rank}.pt")
 
 
 # The second: the wrapper settings of the fast DETR configs (model_wrapper_cfg), gradients as views of the buckets.
-@pytest.mark.parametrize("ddp_options", [{}, dict(broadcast_buffers=False, gradient_as_bucket_view=True,
-                                                  static_graph=True)], ids=["default", "fast-config"])
-def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path, ddp_options):
+@pytest.mark.parametrize("ddp_options,split", [
+    ({}, False), (dict(broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=True), False),
+    (dict(broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=True), True)],
+    ids=["default", "fast-config", "fast-config-two-regions"])
+def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path, ddp_options, split):
     # DistributedDataParallel reduces a parameter's gradient when autograd accumulates it: the replay's backward
     # hands the parameters their gradients through the same accumulators, so ranks that replay (or run eagerly)
-    # end with the mean of every rank's gradients.
-    run_gloo_ranks(_ddp_worker, tmp_path, ddp_options)
+    # end with the mean of every rank's gradients; with two regions, each region's gradients as its backward
+    # returns them.
+    run_gloo_ranks(_ddp_worker, tmp_path, ddp_options, split)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
-    assert [(r["eager_calls"], r["replays"]) for r in ranks] == [(1, 3), (1, 3)]
+    assert [r["counts"] for r in ranks] == [[(1, 3)] * (2 if split else 1)] * 2
     torch.manual_seed(0)
     net = _Net().double()
     net.unused.requires_grad_(False)
@@ -497,16 +528,18 @@ def _without_dropout(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name,split", [(name, False) for name in CONFIGS] + [("dino", True)])
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
-def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, amp):
+def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, amp):
     # Dropout off: replayed dropout draws other numbers than eager dropout.
     eager = _without_dropout(_detector(name, dtype=torch.float32)).cuda()
     apply_fast_paths(eager, sync_free_forward=True)
     graphed = copy.deepcopy(eager)
     # As the fast configs run them (Mask2Former's one-pass matching draws stock's random points in stock's order).
-    apply_fast_paths(graphed, cuda_graphs=True, batched_matching=name == "mask2former")
-    region = graphed.graphed_training_region
+    apply_fast_paths(graphed, cuda_graphs=True, batched_matching=name == "mask2former",
+                     split_graphs_at_features=split)
+    regions = graphed.graphed_training_regions
+    assert len(regions) == (2 if split else 1)
     optimizer = torch.optim.SGD([p for p in eager.parameters() if p.requires_grad], lr=1e-3)
     shapes = [(224, 256), (224, 256), (256, 224), (224, 256), (256, 224), (256, 224), (224, 256)]
     for step, (h, w) in enumerate(shapes):
@@ -538,8 +571,9 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, amp):
         den = sum(float(e.norm() ** 2) for e in eager_grads) ** 0.5
         assert num <= grad_tolerance * den, (step, num / den)
     # The first shape warms up eagerly and captures at its second call; the second shape is captured at its first.
-    assert (region.replays, len(region.captured), region.first_call_captures) == (6, 2, 1)
-    assert not region.eager_reasons and not region.first_call_capture_failures
+    for region in regions:
+        assert (region.replays, len(region.captured), region.first_call_captures) == (6, 2, 1)
+        assert not region.eager_reasons and not region.first_call_capture_failures
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")

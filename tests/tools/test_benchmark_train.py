@@ -319,6 +319,21 @@ def test_timer_reports_the_graph_captures_of_graphed_training(tmp_path):
     assert _timed_batches(tmp_path, torch.nn.Linear(2, 2), [[(32, 32)]])["graphed_training"] is None
 
 
+def test_timer_counts_a_split_detectors_shapes_once_and_all_of_its_capture_time(tmp_path):
+    def region(captured, seconds, reports):
+        return SimpleNamespace(captured=captured, capture_seconds=seconds, eager_calls=1, replays=4, eager_reasons={},
+                               first_call_captures=1, first_call_capture_failures={}, reports_signatures=reports,
+                               capture_phase_seconds=dict(forward=seconds / 2, backward=seconds / 2, instantiate=0.0))
+    # The backbone's region captures the same two shapes as the transformer's, in 0.5 of the 2 seconds.
+    backbone, rest = region({"a": 1, "b": 2}, 0.5, False), region({"a": 1, "b": 2}, 1.5, True)
+    detector = torch.nn.Linear(2, 2)
+    detector.graphed_training_region, detector.graphed_training_regions = rest, (backbone, rest)
+    result = _timed_batches(tmp_path, torch.nn.Sequential(detector), [[(32, 32)]])
+    assert result["graphed_training"] == dict(
+        captures=2, capture_seconds=2.0, capture_phase_seconds=dict(forward=1.0, backward=1.0, instantiate=0.0),
+        eager_calls=1, replays=4, fallbacks=0, first_call_captures=1, first_call_capture_failures=0)
+
+
 def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
     from benchmarks.detector.train_report import iteration_split, split_table
     region = SimpleNamespace(captured={}, capture_seconds=0.0, eager_calls=0, replays=0, eager_reasons={},

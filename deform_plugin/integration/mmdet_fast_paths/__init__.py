@@ -13,7 +13,9 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
   (needs the matching solved ahead: turns ``batched_matching`` on too);
 - ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs;
 - ``cuda_graphs`` (:mod:`.graphed_training`): their training forward and backward replayed from CUDA graphs, one
-  pair per input shape (needs the sync-free forward: turns it on too);
+  pair per input shape (needs the sync-free forward: turns it on too); under DistributedDataParallel the DETRs'
+  backbone and neck are captured as a region of their own, so that the other gradients are all-reduced while the
+  backbone's backward replays (``split_graphs_at_features``);
 - ``relu_dropout_fusion`` and ``ffn_recompute`` (:mod:`.ffn_memory`): mmcv ``FFN``'s ReLU and dropout keep one
   activation for backward instead of three; FFNs without dropout recompute their hidden layer in the backward
   (less training memory).
@@ -22,7 +24,7 @@ All but the first and the last two replace private methods of mmdet 3.3.0 with c
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from torch import nn
 
@@ -44,6 +46,11 @@ __all__ = ["FAST_PATHS", "apply_fast_paths", "check_mirrored_mmdet_version", "di
            "enable_sdpa_attention", "sdpa_multihead_attention_class"]
 
 
+def _distributed_over_processes() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def check_mirrored_mmdet_version(switch: str) -> None:
     """Refuse an mmdet-private copy on an mmdet other than the one it mirrors, with a clear message."""
     import mmdet
@@ -58,11 +65,13 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
                      batched_matching: bool = False, sync_free_losses: bool = False,
                      sync_free_forward: bool = False, batched_losses: bool = False,
                      cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
-                     ffn_recompute: bool = False) -> Dict[str, int]:
+                     ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
     ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too; ``batched_losses`` builds on
-    ``batched_matching``; ``cuda_graphs`` on ``sync_free_forward``.
+    ``batched_matching``; ``cuda_graphs`` on ``sync_free_forward``. ``split_graphs_at_features`` (None: where the
+    run is distributed over more than one process) gives the DETRs' backbone and neck a graphed region of their own
+    (see :func:`.graphed_training.enable_cuda_graph_training`).
     """
     batched_matching = batched_matching or batched_losses
     sync_free_forward = sync_free_forward or cuda_graphs
@@ -93,5 +102,7 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
         changed["ffn_recompute"] = enable_ffn_recompute(model)
     if cuda_graphs:
         check_mirrored_mmdet_version("cuda_graphs")
-        changed["cuda_graphs"] = enable_cuda_graphs(model)
+        if split_graphs_at_features is None:
+            split_graphs_at_features = _distributed_over_processes()
+        changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split_graphs_at_features)
     return changed

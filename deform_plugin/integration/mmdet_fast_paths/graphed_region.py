@@ -133,15 +133,24 @@ class GraphedRegion:
         max_graphs: signatures captured at most; later new signatures run eagerly.
         capture_new_shapes_at_first_call: capture a signature that differs from a warmed-up one only in its input
             shapes at its first call, without an eager warm-up (False: every signature warms up eagerly first).
+        parameter_filter: which of ``module``'s trainable parameters (by name) the backward graph differentiates;
+            all by default. Two regions that split one network each take their own (see
+            :mod:`.graphed_training`).
+        reports_signatures: whether benchmarks count this region's captures, replays and eager calls as the step's
+            (False for a region that always runs beside another one, so that a shape counts once); its capture
+            time counts either way.
     """
 
     # Graphs are CUDA graphs; tests emulate them on the CPU with a subclass that sets this to "cpu".
     device_type = "cuda"
 
     def __init__(self, fn: Callable, module: torch.nn.Module, name: str, max_graphs: int = 64,
-                 capture_new_shapes_at_first_call: bool = True):
+                 capture_new_shapes_at_first_call: bool = True,
+                 parameter_filter: Optional[Callable[[str], bool]] = None, reports_signatures: bool = True):
         self.fn = fn
         self.module = module
+        self.parameter_filter = parameter_filter
+        self.reports_signatures = reports_signatures
         self.name = name
         self.max_graphs = max_graphs
         self.capture_new_shapes_at_first_call = capture_new_shapes_at_first_call
@@ -310,7 +319,8 @@ class GraphedRegion:
                               for static, needs in zip(entry.static_inputs, entry.input_needs_grad))
         input_indices = [i for i, needs in enumerate(entry.input_needs_grad) if needs]
         input_leaves = [region_inputs[i] for i in input_indices]
-        named = [(name, p) for name, p in self.module.named_parameters() if p.requires_grad]
+        named = [(name, p) for name, p in self.module.named_parameters()
+                 if p.requires_grad and (self.parameter_filter is None or self.parameter_filter(name))]
         entry.params = [p for _, p in named]
         for p in entry.params:
             if id(p) not in self.param_grad_buffers:

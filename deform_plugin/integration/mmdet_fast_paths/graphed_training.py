@@ -26,7 +26,7 @@ region runs eagerly.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -43,8 +43,10 @@ def _image_sizes(batch_data_samples, device) -> torch.Tensor:
     return sizes.to(device, non_blocking=True)
 
 
-def _encoder(detector, batch_inputs, image_sizes):
-    img_feats = detector.extract_feat(batch_inputs)
+def _encoder(detector, batch_inputs, image_sizes, features=None):
+    # ``features``: the backbone's and neck's outputs where another region computed them (``batch_inputs`` then
+    # only carries the padded batch's height and width in its shape).
+    img_feats = detector.extract_feat(batch_inputs) if features is None else features
     encoder_inputs, decoder_inputs = deformable_detr_pre_transformer_from_image_sizes(
         detector, img_feats, image_sizes, batch_inputs.shape[-2], batch_inputs.shape[-1])
     encoder_outputs = detector.forward_encoder(**encoder_inputs)
@@ -63,10 +65,13 @@ def _decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples=None)
 class _GraphedLoss(NamedTuple):
     """A detector's training loss split around its captured region: ``region_inputs(batch_inputs, samples)`` gives
     the region's inputs and what the tail needs to know of them, ``region(*inputs)`` runs in the graph, and
-    ``tail(outputs, constants, samples, context)`` computes the losses eagerly."""
+    ``tail(outputs, constants, samples, context)`` computes the losses eagerly. ``region`` takes ``features=`` (the
+    outputs of ``detector.extract_feat``) where ``splits_at_features``: its first input then only gives the batch's
+    padded shape."""
     region: Callable
     region_inputs: Callable
     tail: Callable
+    splits_at_features: bool = False
 
 
 def _pixels_only(batch_inputs, batch_data_samples):
@@ -131,8 +136,8 @@ def _detr_region_and_tail(detector):
         head = detector.bbox_head
         if type(head).loss is DeformableDETRHead.loss:
             # mmdet 3.3.0's DeformableDETRHead.loss, its forward (the class and box branches) inside the region.
-            def whole_network(batch_inputs, image_sizes):
-                encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
+            def whole_network(batch_inputs, image_sizes, features=None):
+                encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes, features)
                 head_inputs = _decoder(detector, encoder_outputs, decoder_inputs)
                 outputs = dict(head_outputs=head(head_inputs["hidden_states"], head_inputs["references"]),
                                enc_outputs_class=head_inputs.get("enc_outputs_class"),
@@ -144,22 +149,22 @@ def _detr_region_and_tail(detector):
                 batch_img_metas = [sample.metainfo for sample in batch_data_samples]
                 return head.loss_by_feat(*outputs["head_outputs"], outputs["enc_outputs_class"],
                                          outputs["enc_outputs_coord"], batch_gt_instances, batch_img_metas)
-            return _GraphedLoss(whole_network, _pixels_and_image_sizes, tail)
+            return _GraphedLoss(whole_network, _pixels_and_image_sizes, tail, splits_at_features=True)
 
-        def transformer_only(batch_inputs, image_sizes):
-            encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
+        def transformer_only(batch_inputs, image_sizes, features=None):
+            encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes, features)
             return _decoder(detector, encoder_outputs, decoder_inputs), None
 
         def head_tail(head_inputs, _, batch_data_samples, __):
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
-        return _GraphedLoss(transformer_only, _pixels_and_image_sizes, head_tail)
+        return _GraphedLoss(transformer_only, _pixels_and_image_sizes, head_tail, splits_at_features=True)
     if transformer is DINO.forward_transformer:
         whole = _dino_graphed_loss(detector)
         if whole is not None:
             return whole
 
-        def backbone_and_encoder(batch_inputs, image_sizes):
-            encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
+        def backbone_and_encoder(batch_inputs, image_sizes, features=None):
+            encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes, features)
             outputs = dict(memory=encoder_outputs["memory"], memory_mask=encoder_outputs["memory_mask"],
                            valid_ratios=decoder_inputs["valid_ratios"])
             tables = dict(spatial_shapes=decoder_inputs["spatial_shapes"],
@@ -172,7 +177,7 @@ def _detr_region_and_tail(detector):
             decoder_inputs = dict(memory_mask=outputs["memory_mask"], valid_ratios=outputs["valid_ratios"], **tables)
             head_inputs = _decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples)
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
-        return _GraphedLoss(backbone_and_encoder, _pixels_and_image_sizes, tail)
+        return _GraphedLoss(backbone_and_encoder, _pixels_and_image_sizes, tail, splits_at_features=True)
     return None
 
 
@@ -254,8 +259,8 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
             and type(generator).collate_dn_queries is CdnQueryGenerator.collate_dn_queries):
         return None
 
-    def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask):
-        encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes)
+    def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask, features=None):
+        encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes, features)
         # mmdet 3.3.0's DINO.pre_decoder in training, with the denoising queries given.
         memory = encoder_outputs["memory"]
         num_layers = detector.decoder.num_layers
@@ -297,35 +302,83 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
         return head.loss_by_feat(unpadded(outputs["all_cls_scores"]), unpadded(outputs["all_bbox_preds"]),
                                  outputs["enc_outputs_class"], outputs["enc_outputs_coord"], batch_gt_instances,
                                  batch_img_metas, dn_meta)
-    return _GraphedLoss(network, region_inputs, tail)
+    return _GraphedLoss(network, region_inputs, tail, splits_at_features=True)
 
 
-def enable_cuda_graph_training(detector, max_graphs: int = 64) -> Optional[GraphedRegion]:
+def _feature_module_names(detector) -> Tuple[str, ...]:
+    return ("backbone", "neck") if getattr(detector, "with_neck", False) else ("backbone",)
+
+
+def _in_modules(names: Tuple[str, ...]) -> Callable[[str], bool]:
+    prefixes = tuple(f"{name}." for name in names)
+    return lambda parameter: parameter.startswith(prefixes)
+
+
+def enable_cuda_graph_training(detector, max_graphs: int = 64,
+                               split_at_features: bool = False) -> Optional[GraphedRegion]:
     """Give one Deformable-DETR-family or Mask2Former detector (an instance with mmdet 3.3.0's pieces) the
     graph-replayed training loss; returns its :class:`GraphedRegion`, or None when the detector is not one this path
-    knows."""
+    knows.
+
+    ``split_at_features`` (the DETRs; Mask2Former keeps one region): the backbone and neck are a region of their own,
+    ahead of the rest of the network's. Under DistributedDataParallel this lets the gradients of the transformer
+    and head, which the second region's backward replay returns first, be all-reduced while the backbone's backward
+    replays (with one region every gradient arrives at the end of the backward, and no reduction overlaps it). On
+    one GPU it only adds a region boundary (a copy of the features and of their gradients).
+    """
     if "loss" in vars(detector):
         return None
     pieces = _region_and_tail(detector)
     if pieces is None:
         return None
-    region = GraphedRegion(pieces.region, detector, name=f"{type(detector).__name__} training forward",
-                           max_graphs=max_graphs)
+    name = type(detector).__name__
+    features_region = None
+    if split_at_features and pieces.splits_at_features:
+        feature_modules = _feature_module_names(detector)
+        in_feature_modules = _in_modules(feature_modules)
+
+        def features(batch_inputs):
+            return tuple(detector.extract_feat(batch_inputs)), None
+
+        features_region = GraphedRegion(features, detector, name=f"{name} training {' and '.join(feature_modules)}",
+                                        max_graphs=max_graphs, parameter_filter=in_feature_modules,
+                                        reports_signatures=False)
+        # Set at the first call, before the region first runs: how many of its inputs are features.
+        feature_count = []
+
+        def after_features(padded_shape, *inputs):
+            count = feature_count[0]
+            return pieces.region(padded_shape, *inputs[count:], features=inputs[:count])
+
+        region = GraphedRegion(after_features, detector, name=f"{name} training transformer and head",
+                               max_graphs=max_graphs,
+                               parameter_filter=lambda parameter: not in_feature_modules(parameter))
+    else:
+        region = GraphedRegion(pieces.region, detector, name=f"{name} training forward", max_graphs=max_graphs)
     stock_loss = type(detector).loss.__get__(detector)
 
     def loss(batch_inputs, batch_data_samples):
         if not torch.is_grad_enabled():
             return stock_loss(batch_inputs, batch_data_samples)
         inputs, context = pieces.region_inputs(batch_inputs, batch_data_samples)
+        if features_region is not None:
+            pixels, *others = inputs
+            features, _ = features_region(pixels)
+            if not feature_count:
+                feature_count.append(len(features))
+            # An empty tensor carries the padded height and width into the second region's signature.
+            inputs = (pixels.new_empty((0,) + tuple(pixels.shape[-2:])), *features, *others)
         outputs, constants = region(*inputs)
         return pieces.tail(outputs, constants, batch_data_samples, context)
 
     detector.loss = loss
     detector.graphed_training_region = region
+    detector.graphed_training_regions = (region,) if features_region is None else (features_region, region)
     return region
 
 
-def enable_cuda_graphs(model) -> int:
+def enable_cuda_graphs(model, split_at_features: bool = False) -> int:
     """Turn the graph-replayed training loss on for every Deformable-DETR-family and Mask2Former detector in
-    ``model``; returns how many detectors changed."""
-    return sum(enable_cuda_graph_training(module) is not None for module in model.modules())
+    ``model``; returns how many detectors changed (``split_at_features``: see :func:`enable_cuda_graph_training`)."""
+    return sum(enable_cuda_graph_training(module, split_at_features=split_at_features) is not None
+               for module in model.modules())
