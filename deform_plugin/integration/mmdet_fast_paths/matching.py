@@ -15,9 +15,13 @@ the device; the same values enter the same operations.
 
 ``batched_matching``: mmdet still matches one (decoder layer, image) pair at a time, each with its own cost-term
 kernels and its own device-to-host copy that waits for the GPU. Before a DETR head's ``loss_by_feat`` runs, the
-fast path computes the cost matrices of every decoder layer of each image in one pass (the cost terms are row-wise,
-so stacking the layers' queries as rows gives each layer's matrix bitwise), copies all of them to the host in one
-transfer, and solves every assignment; the per-layer ``assign`` calls then find their result ready. With
+fast path computes the cost matrices of every decoder layer of every image in one pass (the cost terms are
+row-wise, so stacking the layers' queries as rows gives each layer's matrix; for mmdet's focal, box-L1 and IoU
+costs the images are stacked too, their gts padded to the most of any, and each image's block is its own matrix:
+bitwise in float64, within one rounding of an element in float32 on the CPU, whose vectorised ``log``/``pow`` may
+round an element apart in another layout), copies all of them to the host in one transfer, and solves every
+assignment; the per-layer ``assign`` calls then find their result ready. Where the host builds the cost terms, one
+pass for all images launches a quarter of the kernels of one pass per image and group. With
 ``batched_losses`` the two-stage encoder's proposals join the same pass and copy. A call the pass did not foresee
 (another head; the proposals without ``batched_losses``) runs as before.
 """
@@ -151,19 +155,21 @@ def _iou_cost(match_cost, pred_bboxes: torch.Tensor, gt_bboxes: torch.Tensor) ->
 
 def bbox_overlaps_without_sync(bboxes1: torch.Tensor, bboxes2: torch.Tensor, mode: str = "iou",
                                is_aligned: bool = False, eps: float = 1e-6) -> torch.Tensor:
-    """mmdet 3.3.0's ``bbox_overlaps`` for ``(N, 4)`` and ``(M, 4)`` boxes (modes ``iou``, ``iof``, ``giou``): the
-    same operations, with ``eps`` filled on the device where mmdet copies it from the host."""
+    """mmdet 3.3.0's ``bbox_overlaps`` for ``(..., N, 4)`` and ``(..., M, 4)`` boxes with the same leading (batch)
+    sizes (modes ``iou``, ``iof``, ``giou``): the same operations, with ``eps`` filled on the device where mmdet
+    copies it from the host."""
     from mmdet.structures.bbox.bbox_overlaps import fp16_clamp
     if mode not in ("iou", "iof", "giou"):
         raise ValueError(f"bbox_overlaps mode must be 'iou', 'iof' or 'giou', got {mode!r}")
-    if bboxes1.dim() != 2 or bboxes2.dim() != 2 or bboxes1.shape[-1] != 4 or bboxes2.shape[-1] != 4:
-        raise ValueError(f"bbox_overlaps_without_sync takes (N, 4) and (M, 4) boxes, got {tuple(bboxes1.shape)} and "
-                         f"{tuple(bboxes2.shape)}")
-    rows, cols = bboxes1.shape[0], bboxes2.shape[0]
+    if (bboxes1.dim() < 2 or bboxes1.shape[:-2] != bboxes2.shape[:-2] or bboxes1.shape[-1] != 4
+            or bboxes2.shape[-1] != 4):
+        raise ValueError(f"bbox_overlaps_without_sync takes (..., N, 4) and (..., M, 4) boxes with the same leading "
+                         f"sizes, got {tuple(bboxes1.shape)} and {tuple(bboxes2.shape)}")
+    batch, rows, cols = bboxes1.shape[:-2], bboxes1.shape[-2], bboxes2.shape[-2]
     if is_aligned and rows != cols:
         raise ValueError(f"aligned overlaps need as many boxes on both sides, got {rows} and {cols}")
     if rows * cols == 0:
-        return bboxes1.new_empty((rows,) if is_aligned else (rows, cols))
+        return bboxes1.new_empty(batch + ((rows,) if is_aligned else (rows, cols)))
     area1 = (bboxes1[..., 2] - bboxes1[..., 0]) * (bboxes1[..., 3] - bboxes1[..., 1])
     area2 = (bboxes2[..., 2] - bboxes2[..., 0]) * (bboxes2[..., 3] - bboxes2[..., 1])
     first, second = (bboxes1, bboxes2) if is_aligned else (bboxes1[..., :, None, :], bboxes2[..., None, :, :])
@@ -261,18 +267,26 @@ def solve_ahead(assigner, prediction_sets, batch_gt_instances, batch_img_metas,
         with record_function("deform_plugin::matching.cost_terms"):
             for sets, group_gt_instances in [(prediction_sets, batch_gt_instances), *extra_groups]:
                 sets = [(s, b) if s.dim() == 4 else (s[None], b[None]) for s, b in sets]
+                problems = []  # (gt instances, img meta, views) of each image with gts
                 for image, (gt_instances, img_meta) in enumerate(zip(group_gt_instances, batch_img_metas)):
                     if len(gt_instances) == 0:
                         continue  # assign's own edge case needs no cost matrix
                     views = [(scores[layer, image], bboxes[layer, image]) for scores, bboxes in sets
                              for layer in range(scores.shape[0])]
+                    problems.append((gt_instances, img_meta, views))
+                if len(problems) > 1 and _batchable(assigner):
+                    cost = _batched_cost_matrices(assigner, problems)
+                    flat_costs.append(cost.reshape(-1))
+                    blocks.append(([(gt_instances, views) for gt_instances, _, views in problems], cost.shape))
+                    continue
+                for gt_instances, img_meta, views in problems:
                     scores = torch.cat([s for s, _ in views])
                     factor = image_size_factor(img_meta, views[0][1])
                     bboxes = bbox_cxcywh_to_xyxy(torch.cat([b for _, b in views])) * factor
                     pred_instances = InstanceData(scores=scores, bboxes=bboxes)
                     cost = _cost_matrix(assigner, pred_instances, gt_instances, img_meta)
                     flat_costs.append(cost.reshape(-1))
-                    blocks.append((gt_instances, views, cost.shape))
+                    blocks.append(([(gt_instances, views)], (1,) + tuple(cost.shape)))
         if not flat_costs:
             return {}
         with record_function("deform_plugin::matching.wait_and_copy_to_host"):
@@ -280,14 +294,66 @@ def solve_ahead(assigner, prediction_sets, batch_gt_instances, batch_img_metas,
         solved = {}
         with host_solves():
             offset = 0
-            for gt_instances, views, (rows, cols) in blocks:
-                cost = host[offset:offset + rows * cols].reshape(rows, cols)
-                offset += rows * cols
-                row = 0
-                for scores, _ in views:
-                    solved[_prediction_key(scores, gt_instances)] = _solve(cost[row:row + scores.shape[0]])
-                    row += scores.shape[0]
+            for images, (count, rows, cols) in blocks:
+                costs = host[offset:offset + count * rows * cols].reshape(count, rows, cols)
+                offset += count * rows * cols
+                for cost, (gt_instances, views) in zip(costs, images):
+                    cost = cost[:, :len(gt_instances)]  # a batched block pads the gts to the most of its images
+                    row = 0
+                    for scores, _ in views:
+                        solved[_prediction_key(scores, gt_instances)] = _solve(cost[row:row + scores.shape[0]])
+                        row += scores.shape[0]
         return solved
+
+
+def _batchable(assigner) -> bool:
+    """Whether every cost term of ``assigner`` has a batched form here (mmdet's own classification, box L1 and IoU
+    costs)."""
+    from mmdet.models.task_modules.assigners.match_cost import BBoxL1Cost, FocalLossCost, IoUCost
+    return all(type(cost) in (BBoxL1Cost, IoUCost) or (type(cost) is FocalLossCost and not cost.binary_input)
+               for cost in assigner.match_costs)
+
+
+def _batched_cost_matrices(assigner, problems) -> torch.Tensor:
+    """The cost matrices of several images in one pass: ``(images, rows, most gts)``, each image's gts padded to the
+    most of any (the padding columns are cut on the host).
+
+    Every element is computed by the same operations on the same values as :func:`_cost_matrix` computes it for one
+    image (the image-size factors broadcast per image, the focal cost gathers each image's labels), so each image's
+    block equals its own matrix.
+    """
+    from mmdet.models.task_modules.assigners.match_cost import BBoxL1Cost, FocalLossCost, IoUCost
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy, bbox_xyxy_to_cxcywh
+    from torch.nn.utils.rnn import pad_sequence
+
+    scores = torch.stack([torch.cat([s for s, _ in views]) for _, _, views in problems])
+    boxes = torch.stack([torch.cat([b for _, b in views]) for _, _, views in problems])
+    gt_boxes = pad_sequence([gt.bboxes for gt, _, _ in problems], batch_first=True)
+    gt_labels = pad_sequence([gt.labels for gt, _, _ in problems], batch_first=True)
+    sizes = [[meta["img_shape"][1], meta["img_shape"][0]] * 2 for _, meta, _ in problems]
+    boxes = bbox_cxcywh_to_xyxy(boxes) * _image_size_factors(sizes, boxes)
+    costs = []
+    for cost in assigner.match_costs:
+        if type(cost) is FocalLossCost:
+            probabilities = scores.sigmoid()
+            negative = -(1 - probabilities + cost.eps).log() * (1 - cost.alpha) * probabilities.pow(cost.gamma)
+            positive = -(probabilities + cost.eps).log() * cost.alpha * (1 - probabilities).pow(cost.gamma)
+            labels = gt_labels[:, None, :].expand(-1, scores.shape[1], -1)
+            costs.append((positive.gather(2, labels) - negative.gather(2, labels)) * cost.weight)
+        elif type(cost) is BBoxL1Cost:
+            preds, gts = boxes, gt_boxes
+            if cost.box_format == "xywh":
+                gts, preds = bbox_xyxy_to_cxcywh(gts), bbox_xyxy_to_cxcywh(preds)
+            factors = _image_size_factors(sizes, gts)
+            costs.append(torch.cdist(preds / factors, gts / factors, p=1) * cost.weight)
+        else:
+            costs.append(_iou_cost(cost, boxes, gt_boxes))
+    return torch.stack(costs).sum(dim=0).detach()
+
+
+def _image_size_factors(sizes, like: torch.Tensor) -> torch.Tensor:
+    """``(images, 1, 4)`` ``[w, h, w, h]`` per image in ``like``'s dtype and device, copied once without blocking."""
+    return _to_device_without_blocking(torch.tensor(sizes, dtype=like.dtype)[:, None, :], like.device)
 
 
 def costs_to_host(flat_costs: Sequence[torch.Tensor]) -> np.ndarray:
