@@ -346,8 +346,10 @@ def _batched_cost_matrices(assigner, problems) -> torch.Tensor:
                 gts, preds = bbox_xyxy_to_cxcywh(gts), bbox_xyxy_to_cxcywh(preds)
             factors = _image_size_factors(sizes, gts)
             costs.append(torch.cdist(preds / factors, gts / factors, p=1) * cost.weight)
-        else:
+        elif type(cost) is IoUCost:
             costs.append(_iou_cost(cost, boxes, gt_boxes))
+        else:
+            raise TypeError(f"{type(cost).__name__} has no batched form (see _batchable)")
     return torch.stack(costs).sum(dim=0).detach()
 
 
