@@ -1,0 +1,13 @@
+#!/usr/bin/env python
+"""Host time of a DETR step's matching pass (cost terms, copy to the host, assignments), per head shape.
+
+    python tools/bench_matching.py [--cases dino deformable-detr] [--gts 7 13] [--out DIR]
+
+Run from the repository root. See :mod:`benchmarks.detector.matching_pass`.
+"""
+import sys
+
+from benchmarks.detector.matching_pass import main
+
+if __name__ == "__main__":
+    sys.exit(main(description=__doc__))
