@@ -22,6 +22,10 @@ pipeline gives a few dozen. The level tables are the host-made ones of ``sync_fr
 turns on (a capture cannot read the device). Losses and gradients are those of the eager step up to float rounding
 and dropout's random draws; under no-grad (validation losses) the stock ``loss`` runs, and on the CPU the
 region runs eagerly.
+
+Under DistributedDataParallel (``split_at_features``) the DETRs' backbone and neck are a region of their own ahead of
+the rest: the rest's backward replay returns the transformer's and head's gradients first, and DDP all-reduces them
+while the backbone's backward replays.
 """
 from __future__ import annotations
 
