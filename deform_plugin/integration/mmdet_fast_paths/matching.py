@@ -53,8 +53,13 @@ def _to_device_without_blocking(host_tensor: torch.Tensor, device: torch.device)
 
 def image_size_factor(img_meta: dict, like: torch.Tensor) -> torch.Tensor:
     """``(1, 4)`` tensor ``[w, h, w, h]`` of the image, in ``like``'s dtype and device, copied without blocking."""
-    img_h, img_w = img_meta["img_shape"]
-    return _to_device_without_blocking(torch.tensor([[img_w, img_h, img_w, img_h]], dtype=like.dtype), like.device)
+    return image_size_factors([img_meta], like)[0]
+
+
+def image_size_factors(img_metas: Sequence[dict], like: torch.Tensor) -> torch.Tensor:
+    """``(images, 1, 4)`` ``[w, h, w, h]`` per image, in ``like``'s dtype and device, copied once without blocking."""
+    sizes = [[meta["img_shape"][1], meta["img_shape"][0]] * 2 for meta in img_metas]
+    return _to_device_without_blocking(torch.tensor(sizes, dtype=like.dtype)[:, None, :], like.device)
 
 
 def _assignment_from_host(num_gts: int, host_gt_inds: np.ndarray, gt_labels: torch.Tensor):
@@ -126,20 +131,23 @@ def _match_cost(match_cost, pred_instances, gt_instances, img_meta) -> torch.Ten
     """``match_cost(...)``; mmdet's ``BBoxL1Cost`` and ``IoUCost`` by the same arithmetic without a blocking copy."""
     from mmdet.models.task_modules.assigners.match_cost import BBoxL1Cost, IoUCost
     if type(match_cost) is BBoxL1Cost:
-        return _bbox_l1_cost(match_cost, pred_instances.bboxes, gt_instances.bboxes, img_meta)
+        return _bbox_l1_cost(match_cost, pred_instances.bboxes, gt_instances.bboxes, [img_meta])
     if type(match_cost) is IoUCost:
         return _iou_cost(match_cost, pred_instances.bboxes, gt_instances.bboxes)
     return match_cost(pred_instances=pred_instances, gt_instances=gt_instances, img_meta=img_meta)
 
 
-def _bbox_l1_cost(match_cost, pred_bboxes: torch.Tensor, gt_bboxes: torch.Tensor, img_meta: dict) -> torch.Tensor:
-    # mmdet 3.3.0's BBoxL1Cost.__call__, its factor copied without blocking.
+def _bbox_l1_cost(match_cost, pred_bboxes: torch.Tensor, gt_bboxes: torch.Tensor,
+                  img_metas: Sequence[dict]) -> torch.Tensor:
+    # mmdet 3.3.0's BBoxL1Cost.__call__, its factor copied without blocking: (N, 4) boxes of one image, or
+    # (images, N, 4) boxes of as many images.
     from mmdet.structures.bbox import bbox_xyxy_to_cxcywh
     if match_cost.box_format == "xywh":
         gt_bboxes = bbox_xyxy_to_cxcywh(gt_bboxes)
         pred_bboxes = bbox_xyxy_to_cxcywh(pred_bboxes)
-    factor = image_size_factor(img_meta, gt_bboxes)
-    return torch.cdist(pred_bboxes / factor, gt_bboxes / factor, p=1) * match_cost.weight
+    factors = image_size_factors(img_metas, gt_bboxes)
+    factors = factors if gt_bboxes.dim() == 3 else factors[0]
+    return torch.cdist(pred_bboxes / factors, gt_bboxes / factors, p=1) * match_cost.weight
 
 
 def _iou_cost(match_cost, pred_bboxes: torch.Tensor, gt_bboxes: torch.Tensor) -> torch.Tensor:
@@ -323,15 +331,15 @@ def _batched_cost_matrices(assigner, problems) -> torch.Tensor:
     block equals its own matrix.
     """
     from mmdet.models.task_modules.assigners.match_cost import BBoxL1Cost, FocalLossCost, IoUCost
-    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy, bbox_xyxy_to_cxcywh
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
     from torch.nn.utils.rnn import pad_sequence
 
     scores = torch.stack([torch.cat([s for s, _ in views]) for _, _, views in problems])
     boxes = torch.stack([torch.cat([b for _, b in views]) for _, _, views in problems])
     gt_boxes = pad_sequence([gt.bboxes for gt, _, _ in problems], batch_first=True)
     gt_labels = pad_sequence([gt.labels for gt, _, _ in problems], batch_first=True)
-    sizes = [[meta["img_shape"][1], meta["img_shape"][0]] * 2 for _, meta, _ in problems]
-    boxes = bbox_cxcywh_to_xyxy(boxes) * _image_size_factors(sizes, boxes)
+    metas = [meta for _, meta, _ in problems]
+    boxes = bbox_cxcywh_to_xyxy(boxes) * image_size_factors(metas, boxes)
     costs = []
     for cost in assigner.match_costs:
         if type(cost) is FocalLossCost:
@@ -341,21 +349,12 @@ def _batched_cost_matrices(assigner, problems) -> torch.Tensor:
             labels = gt_labels[:, None, :].expand(-1, scores.shape[1], -1)
             costs.append((positive.gather(2, labels) - negative.gather(2, labels)) * cost.weight)
         elif type(cost) is BBoxL1Cost:
-            preds, gts = boxes, gt_boxes
-            if cost.box_format == "xywh":
-                gts, preds = bbox_xyxy_to_cxcywh(gts), bbox_xyxy_to_cxcywh(preds)
-            factors = _image_size_factors(sizes, gts)
-            costs.append(torch.cdist(preds / factors, gts / factors, p=1) * cost.weight)
+            costs.append(_bbox_l1_cost(cost, boxes, gt_boxes, metas))
         elif type(cost) is IoUCost:
             costs.append(_iou_cost(cost, boxes, gt_boxes))
         else:
             raise TypeError(f"{type(cost).__name__} has no batched form (see _batchable)")
     return torch.stack(costs).sum(dim=0).detach()
-
-
-def _image_size_factors(sizes, like: torch.Tensor) -> torch.Tensor:
-    """``(images, 1, 4)`` ``[w, h, w, h]`` per image in ``like``'s dtype and device, copied once without blocking."""
-    return _to_device_without_blocking(torch.tensor(sizes, dtype=like.dtype)[:, None, :], like.device)
 
 
 def costs_to_host(flat_costs: Sequence[torch.Tensor]) -> np.ndarray:
