@@ -69,6 +69,7 @@ class Settings:
     logger_interval: int = 50
     timeout_s: float = 3600.0
     gpus: int = 1  # >1: each row runs under torch.distributed.run, one process per GPU (DDP)
+    numa_binding: Optional[str] = None  # with gpus > 1: torch.distributed.run's --numa-binding mode, or none
     profile_first: Optional[int] = None  # profile iterations profile_first.. (StepProfilerHook), or none
     profile_steps: int = 3
 

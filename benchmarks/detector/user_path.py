@@ -55,13 +55,16 @@ DIST_PORT = 29517  # torch.distributed.run rendezvous of multi-GPU rows (one row
 # Running one row
 # ---------------------------------------------------------------------------------------------------------------------
 
-def row_command(row: Row, overlay_path: Path, work_dir: Path, gpus: int = 1) -> List[str]:
+def row_command(row: Row, overlay_path: Path, work_dir: Path, gpus: int = 1,
+                numa_binding: Optional[str] = None) -> List[str]:
     """The training command line a user would type for this row (with ``gpus`` > 1: as tools/dist_train.sh runs
-    it, one process per GPU under ``torch.distributed.run``)."""
+    it, one process per GPU under ``torch.distributed.run``, whose ``--numa-binding`` mode ``numa_binding`` is)."""
     launcher = [sys.executable]
     if gpus > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}",
                     f"--master_port={DIST_PORT}"]
+        if numa_binding:
+            launcher.append(f"--numa-binding={numa_binding}")
     if row.stock:
         command = launcher + ["-m", STOCK_LAUNCHER, str(overlay_path), "--work-dir", str(work_dir)]
         if row.mode in AMP_DTYPES:
@@ -123,7 +126,7 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     overlay_path.write_text(render_overlay(config_path, overlay_settings(base_cfg, row, source, settings,
                                                                          timing_file, profile_dir), row))
     shutil.copy(overlay_path, out_dir / "configs" / overlay_path.name)  # kept for reruns by hand
-    command = row_command(row, overlay_path, work_dir, settings.gpus)
+    command = row_command(row, overlay_path, work_dir, settings.gpus, settings.numa_binding)
     result = dict(config=str(config_path), row=row.label, command=command, log=str(log_path), status="failed",
                   returncode=None, wall_s=None, timing=None, error=None)
     if row.stock:
@@ -201,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep-work-dirs", action="store_true", help="keep the rows' mmengine work dirs")
     parser.add_argument("--gpus", type=int, default=1,
                         help="GPUs per row: >1 runs each row with DDP, one process per GPU (--batch-size per GPU)")
+    parser.add_argument("--numa-binding", default=None, metavar="MODE",
+                        help="with --gpus > 1: bind each rank to the CPUs near its GPU (torch.distributed.run's "
+                             "--numa-binding: node, socket, exclusive or core-complex)")
     parser.add_argument("--profile", type=parse_profile_window, default=None, metavar="FIRST:STEPS",
                         help="profile STEPS iterations from iteration FIRST on every rank (torch.profiler tables "
                              "and a Chrome trace per rank in OUT_DIR/profiles/; profiled iterations run slower)")
@@ -224,6 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     settings = Settings(iters=args.iters, batch_size=args.batch_size, workers=args.workers,
                         first_iters=args.first_iters, steady_start=args.steady_start,
                         logger_interval=args.logger_interval, timeout_s=args.timeout, gpus=args.gpus,
+                        numa_binding=args.numa_binding,
                         profile_first=args.profile[0] if args.profile else None,
                         profile_steps=args.profile[1] if args.profile else 3)
     try:

@@ -5,9 +5,12 @@
 - ``FastPathsHook`` (``custom_hooks``): SDPA attention bricks and fewer host syncs in Hungarian matching.
 - ``ShapeBucketsHook`` (``custom_hooks``): training batches padded to a few distinct shapes (not exact: more
   padding), so that random-resize pipelines stop paying per-shape cuDNN/cuBLAS plan selection every step.
+- ``FlatGradientsDataParallel`` (``model_wrapper_cfg``): data parallelism that all-reduces one flat gradient buffer
+  per step, into which graphed training steps write their gradients.
 - ``SyncFreeOptimWrapper`` / ``SyncFreeAmpOptimWrapper`` (``optim_wrapper.type``) and ``DeferredRuntimeInfoHook``
   (``default_hooks.runtime_info``): no per-iteration host syncs for logging, no loss scaling for bf16.
 """
+from .data_parallel import FlatGradientsDataParallel, ParameterGradientSlots
 from .hooks import (DeferredRuntimeInfoHook, FastPathsHook, ShapeBucketsHook, fast_path_switches_from_config,
                     training_size_divisor_from_config)
 from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels,
@@ -18,7 +21,9 @@ __all__ = [
     "DEFERRED_SCALARS",
     "DeferredRuntimeInfoHook",
     "FastPathsHook",
+    "FlatGradientsDataParallel",
     "MergedParamGroupsOptimWrapperConstructor",
+    "ParameterGradientSlots",
     "ShapeBucketsHook",
     "SyncFreeAmpOptimWrapper",
     "SyncFreeOptimWrapper",

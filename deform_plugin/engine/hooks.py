@@ -39,7 +39,9 @@ class FastPathsHook(Hook):
         cuda_graphs (bool): the network's training forward and backward replayed from CUDA graphs, per input shape.
         split_graphs_at_features (bool, optional): with ``cuda_graphs``, the DETRs' backbone and neck captured as a
             region of their own, so that DistributedDataParallel all-reduces the other gradients while the
-            backbone's backward replays. None (the default): only where the run is distributed.
+            backbone's backward replays. None (the default): only under DistributedDataParallel. Unwrapped or
+            under ``FlatGradientsDataParallel`` the graphed regions write the gradients into the parameters'
+            slots (:mod:`deform_plugin.engine.data_parallel`).
         relu_dropout_fusion (bool): mmcv ``FFN``'s ReLU and dropout keep one activation for backward instead of
             three (less memory; the same outputs, random draws and gradients).
         ffn_recompute (bool): mmcv ``FFN``s without dropout keep only their input and recompute their hidden layer
@@ -60,6 +62,21 @@ class FastPathsHook(Hook):
         self.split_graphs_at_features = (None if split_graphs_at_features is None
                                          else bool(split_graphs_at_features))
 
+    def _gradient_slots(self, model):
+        """Where the graphed regions write the gradients: the wrapper's slots under
+        :class:`~deform_plugin.engine.data_parallel.FlatGradientsDataParallel`, new slots for an unwrapped model,
+        none under another wrapper (DistributedDataParallel's reducer needs autograd's accumulation) or off CUDA."""
+        from mmengine.model import is_model_wrapper
+
+        from .data_parallel import ParameterGradientSlots
+        if not self.switches["cuda_graphs"]:
+            return None
+        if is_model_wrapper(model):
+            return getattr(model, "gradient_slots", None)
+        if not any(parameter.is_cuda for parameter in model.parameters()):
+            return None  # no graphs off CUDA: the regions run eagerly
+        return ParameterGradientSlots(model.parameters())
+
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         from deform_plugin.ops.msda import prepare_triton_in_background
@@ -67,7 +84,8 @@ class FastPathsHook(Hook):
         # its data loader's workers start (it would otherwise fall in the first iteration).
         prepare_triton_in_background()
         changed = apply_fast_paths(runner.model, **self.switches,
-                                   split_graphs_at_features=self.split_graphs_at_features)
+                                   split_graphs_at_features=self.split_graphs_at_features,
+                                   gradient_slots=self._gradient_slots(runner.model))
         print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
 
 

@@ -62,23 +62,42 @@ def test_fast_config_selects_everything():
                                                        batched_losses=True, cuda_graphs=True,
                                                        relu_dropout_fusion=True, ffn_recompute=True)
     assert cfg.optim_wrapper.paramwise_cfg == dict(custom_keys={"backbone": dict(lr_mult=0.1)})
-    assert cfg.model_wrapper_cfg == dict(type="MMDistributedDataParallel", broadcast_buffers=False,
-                                         gradient_as_bucket_view=True, static_graph=True)
+    assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel")
 
 
-def test_graphs_split_at_the_features_only_where_the_run_is_distributed(monkeypatch):
-    # Splitting lets DDP all-reduce gradients while the backbone's backward replays; on one process it buys nothing.
+def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
+    # Splitting lets DDP all-reduce gradients while the backbone's backward replays; on one process, or where the
+    # regions write into a FlatGradientsDataParallel's gradient slots, it buys nothing.
+    from mmengine.registry import MODEL_WRAPPERS
+
+    from deform_plugin.engine.data_parallel import ParameterGradientSlots
     from deform_plugin.integration import mmdet_fast_paths
-    splits = []
+    calls = []
     monkeypatch.setattr(mmdet_fast_paths, "enable_cuda_graphs",
-                        lambda model, split_at_features: splits.append(split_at_features) or 0)
+                        lambda model, split_at_features, gradient_slots: calls.append(
+                            (split_at_features, gradient_slots)) or 0)
     monkeypatch.setattr(mmdet_fast_paths, "enable_sync_free_forward", lambda model: 0)
     monkeypatch.setattr(mmdet_fast_paths, "check_mirrored_mmdet_version", lambda switch: None)
-    for distributed in (False, True):
-        monkeypatch.setattr(mmdet_fast_paths, "_distributed_over_processes", lambda: distributed)
-        FastPathsHook(cuda_graphs=True).before_run(_FakeRunner(nn.Linear(2, 2)))
-        FastPathsHook(cuda_graphs=True, split_graphs_at_features=not distributed).before_run(
-            _FakeRunner(nn.Linear(2, 2)))
-    assert splits == [False, True, True, False]
+
+    class SlottedWrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+            self.gradient_slots = ParameterGradientSlots(self.module.parameters())
+
+    MODEL_WRAPPERS.register_module(module=SlottedWrapper, force=True)
+    try:
+        wrapped = SlottedWrapper()
+        for distributed in (False, True):
+            monkeypatch.setattr(mmdet_fast_paths, "_distributed_over_processes", lambda: distributed)
+            FastPathsHook(cuda_graphs=True).before_run(_FakeRunner(nn.Linear(2, 2)))
+            FastPathsHook(cuda_graphs=True, split_graphs_at_features=not distributed).before_run(
+                _FakeRunner(nn.Linear(2, 2)))
+            FastPathsHook(cuda_graphs=True).before_run(_FakeRunner(wrapped))
+    finally:
+        MODEL_WRAPPERS._module_dict.pop("SlottedWrapper")
+    # CPU parameters: no slots of the hook's own; the wrapper's slots reach the regions.
+    assert calls == [(False, None), (True, None), (False, wrapped.gradient_slots),
+                     (True, None), (False, None), (False, wrapped.gradient_slots)]
     cfg = dict(custom_hooks=[dict(type="FastPathsHook", cuda_graphs=1, split_graphs_at_features=None)])
     assert fast_path_switches_from_config(cfg) == dict(cuda_graphs=True, split_graphs_at_features=None)

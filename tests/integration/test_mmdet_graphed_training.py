@@ -528,16 +528,20 @@ def _without_dropout(model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("name,split", [(name, False) for name in CONFIGS] + [("dino", True)])
+@pytest.mark.parametrize("name,split,slots", [(name, False, False) for name in CONFIGS] + [("dino", True, False)]
+                         + [(name, False, True) for name in CONFIGS])
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
-def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, amp):
+def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, slots, amp):
+    from deform_plugin.engine.data_parallel import ParameterGradientSlots
     # Dropout off: replayed dropout draws other numbers than eager dropout.
     eager = _without_dropout(_detector(name, dtype=torch.float32)).cuda()
     apply_fast_paths(eager, sync_free_forward=True)
     graphed = copy.deepcopy(eager)
-    # As the fast configs run them (Mask2Former's one-pass matching draws stock's random points in stock's order).
+    # As the fast configs run them (Mask2Former's one-pass matching draws stock's random points in stock's order);
+    # with gradient slots as FastPathsHook gives them to a model that DistributedDataParallel does not wrap.
+    gradient_slots = ParameterGradientSlots(graphed.parameters()) if slots else None
     apply_fast_paths(graphed, cuda_graphs=True, batched_matching=name == "mask2former",
-                     split_graphs_at_features=split)
+                     split_graphs_at_features=split, gradient_slots=gradient_slots)
     regions = graphed.graphed_training_regions
     assert len(regions) == (2 if split else 1)
     optimizer = torch.optim.SGD([p for p in eager.parameters() if p.requires_grad], lr=1e-3)
@@ -561,6 +565,8 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, amp
             total = sum(v.sum() for v in losses.values() if isinstance(v, torch.Tensor))
             total.backward()
             results.append((float(total), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+            if model is graphed and slots and step > 0:  # replayed or captured: the slots are the gradients
+                assert all(p.grad is gradient_slots.slot(p) for p in model.parameters() if p.grad is not None)
         optimizer.step()
         (eager_total, eager_grads), (graph_total, graph_grads) = results
         # MSDA's backward adds with atomics, in any order.

@@ -418,6 +418,12 @@ def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
     assert ours[-2:] == ["--launcher", "pytorch"] and "--amp-dtype" in ours
     stock = user_path.row_command(user_path.parse_row("stock:fp32"), tmp_path / "o.py", tmp_path / "w", gpus=2)
     assert stock[5:7] == ["-m", user_path.STOCK_LAUNCHER] and stock[-2:] == ["--launcher", "pytorch"]
+    bound = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2,
+                                  numa_binding="node")
+    assert bound[:6] == ours[:5] + ["--numa-binding=node"] and bound[6:] == ours[5:]
+    single = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w",
+                                   numa_binding="node")
+    assert not any("numa" in part for part in single)  # one process: nothing to bind
 
 
 def test_the_csv_appends_rows_and_sets_a_file_of_other_columns_aside(tmp_path):

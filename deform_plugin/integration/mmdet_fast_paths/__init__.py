@@ -15,7 +15,8 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
 - ``cuda_graphs`` (:mod:`.graphed_training`): their training forward and backward replayed from CUDA graphs, one
   pair per input shape (needs the sync-free forward: turns it on too); under DistributedDataParallel the DETRs'
   backbone and neck are captured as a region of their own, so that the other gradients are all-reduced while the
-  backbone's backward replays (``split_graphs_at_features``);
+  backbone's backward replays (``split_graphs_at_features``); elsewhere the regions write the gradients into
+  ``gradient_slots``;
 - ``relu_dropout_fusion`` and ``ffn_recompute`` (:mod:`.ffn_memory`): mmcv ``FFN``'s ReLU and dropout keep one
   activation for backward instead of three; FFNs without dropout recompute their hidden layer in the backward
   (less training memory).
@@ -65,13 +66,16 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
                      batched_matching: bool = False, sync_free_losses: bool = False,
                      sync_free_forward: bool = False, batched_losses: bool = False,
                      cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
-                     ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None) -> Dict[str, int]:
+                     ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None,
+                     gradient_slots=None) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
     ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too; ``batched_losses`` builds on
     ``batched_matching``; ``cuda_graphs`` on ``sync_free_forward``. ``split_graphs_at_features`` (None: where the
-    run is distributed over more than one process) gives the DETRs' backbone and neck a graphed region of their own
-    (see :func:`.graphed_training.enable_cuda_graph_training`).
+    run is distributed over more than one process without ``gradient_slots``, i.e. under DistributedDataParallel)
+    gives the DETRs' backbone and neck a graphed region of their own; ``gradient_slots`` (never with
+    DistributedDataParallel) let the graphed regions hand the parameters their gradients without autograd's
+    per-parameter accumulation (see :func:`.graphed_training.enable_cuda_graph_training`).
     """
     batched_matching = batched_matching or batched_losses
     sync_free_forward = sync_free_forward or cuda_graphs
@@ -103,6 +107,7 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
     if cuda_graphs:
         check_mirrored_mmdet_version("cuda_graphs")
         if split_graphs_at_features is None:
-            split_graphs_at_features = _distributed_over_processes()
-        changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split_graphs_at_features)
+            split_graphs_at_features = _distributed_over_processes() and gradient_slots is None
+        changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split_graphs_at_features,
+                                                    gradient_slots=gradient_slots)
     return changed

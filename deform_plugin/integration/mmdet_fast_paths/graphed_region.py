@@ -80,6 +80,7 @@ class _Captured:
         self.static_output_grads: List[torch.Tensor] = []
         self.params: List[torch.nn.Parameter] = []
         self.param_has_grad: List[bool] = []
+        self.params_have_slots = False
         self.constants: Any = None
 
 
@@ -139,6 +140,13 @@ class GraphedRegion:
         reports_signatures: whether benchmarks count this region's captures, replays and eager calls as the step's
             (False for a region that always runs beside another one, so that a shape counts once); its capture
             time counts either way.
+        gradient_slots: where given (an object whose ``slot(parameter)`` returns a tensor shaped like the parameter,
+            or None), the backward graph writes each parameter's gradient into its slot, and a replay makes the
+            slots the parameters' ``.grad`` instead of handing copies to autograd to accumulate (host work per
+            parameter and step). Only where every parameter of the region has a slot and none holds a gradient
+            yet (``zero_grad(set_to_none=True)``, as mmengine's optim wrappers call it); otherwise, as under
+            gradient accumulation, the gradients go through autograd. Not under DistributedDataParallel, whose
+            reducer waits for every parameter's accumulation (see :mod:`deform_plugin.engine.data_parallel`).
     """
 
     # Graphs are CUDA graphs; tests emulate them on the CPU with a subclass that sets this to "cpu".
@@ -146,8 +154,10 @@ class GraphedRegion:
 
     def __init__(self, fn: Callable, module: torch.nn.Module, name: str, max_graphs: int = 64,
                  capture_new_shapes_at_first_call: bool = True,
-                 parameter_filter: Optional[Callable[[str], bool]] = None, reports_signatures: bool = True):
+                 parameter_filter: Optional[Callable[[str], bool]] = None, reports_signatures: bool = True,
+                 gradient_slots=None):
         self.fn = fn
+        self.gradient_slots = gradient_slots
         self.module = module
         self.parameter_filter = parameter_filter
         self.reports_signatures = reports_signatures
@@ -162,6 +172,7 @@ class GraphedRegion:
         self.first_call_capture_failures: Dict[tuple, str] = {}  # and those that needed one after all, with why
         self.shared = _SharedBuffers()
         self.param_grad_buffers: Dict[int, torch.Tensor] = {}
+        self.slotted_params: set = set()  # ids of the parameters whose gradient buffer is their slot
         self.pool = None
         self.capture_stream: Optional[torch.cuda.Stream] = None
         self.replays = 0
@@ -240,17 +251,41 @@ class GraphedRegion:
         entry.forward_graph.replay()
 
     def replay_backward(self, entry: _Captured) -> Tuple[List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
-        """The gradients of the inputs and of the parameters (None where there is none)."""
+        """The gradients of the inputs and of the parameters (None where there is none, or where the parameter's
+        ``.grad`` became its gradient slot)."""
+        into_slots = self._gradients_into_slots(entry)
         entry.backward_graph.replay()
         self.awaiting_backward = None
-        grads = entry.static_input_grads + [self.param_grad_buffers[id(p)] if has else None
-                                            for p, has in zip(entry.params, entry.param_has_grad)]
+        param_grads = [self.param_grad_buffers[id(p)] if has else None
+                       for p, has in zip(entry.params, entry.param_has_grad)]
+        if into_slots:
+            for parameter, grad in zip(entry.params, param_grads):
+                if grad is not None:
+                    parameter.grad = grad
+            param_grads = [None] * len(entry.params)
+        grads = entry.static_input_grads + param_grads
         used = [grad for grad in grads if grad is not None]
         # Copies: autograd may keep a returned gradient as the parameter's .grad, and the next replay overwrites
         # these buffers.
         copies = iter(torch._foreach_mul(used, 1.0)) if used else iter(())
         grads = [None if grad is None else next(copies) for grad in grads]
         return grads[:len(entry.static_input_grads)], grads[len(entry.static_input_grads):]
+
+    def _gradients_into_slots(self, entry: _Captured) -> bool:
+        """Whether this replay hands the parameters their slots as ``.grad``. A parameter whose ``.grad`` is its
+        slot still (not reset since the last replay) gets a copy first: the replay overwrites the slot, and
+        autograd then adds the new gradient to what the parameter held."""
+        if not entry.params_have_slots:
+            return False
+        into_slots = True
+        for parameter in entry.params:
+            grad = parameter.grad
+            if grad is None:
+                continue
+            into_slots = False
+            if grad.data_ptr() == self.param_grad_buffers[id(parameter)].data_ptr():
+                parameter.grad = grad.clone()
+        return into_slots
 
     # -- capture ----------------------------------------------------------------------------------------------------
     def _capture_or_fall_back(self, key, inputs, warmed_up: bool = True) -> Optional[_Captured]:
@@ -324,7 +359,12 @@ class GraphedRegion:
         entry.params = [p for _, p in named]
         for p in entry.params:
             if id(p) not in self.param_grad_buffers:
-                self.param_grad_buffers[id(p)] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                slot = None if self.gradient_slots is None else self.gradient_slots.slot(p)
+                self.param_grad_buffers[id(p)] = (torch.zeros_like(p, memory_format=torch.preserve_format)
+                                                  if slot is None else slot)
+                if slot is not None:
+                    self.slotted_params.add(id(p))
+        entry.params_have_slots = all(id(p) in self.slotted_params for p in entry.params)
         # The capture differentiates fresh leaves that share the parameters' storage (so replays read the current
         # weights): the parameters' own autograd accumulators belong to the eager stream, and the backward engine
         # would synchronise the capturing stream with it, which a capture cannot do.

@@ -25,7 +25,9 @@ region runs eagerly.
 
 Under DistributedDataParallel (``split_at_features``) the DETRs' backbone and neck are a region of their own ahead of
 the rest: the rest's backward replay returns the transformer's and head's gradients first, and DDP all-reduces them
-while the backbone's backward replays.
+while the backbone's backward replays. Given gradient slots (one process, or
+:class:`deform_plugin.engine.data_parallel.FlatGradientsDataParallel`), the regions write the gradients into them
+and no autograd accumulation runs per parameter.
 """
 from __future__ import annotations
 
@@ -318,8 +320,8 @@ def _in_modules(names: Tuple[str, ...]) -> Callable[[str], bool]:
     return lambda parameter: parameter.startswith(prefixes)
 
 
-def enable_cuda_graph_training(detector, max_graphs: int = 64,
-                               split_at_features: bool = False) -> Optional[GraphedRegion]:
+def enable_cuda_graph_training(detector, max_graphs: int = 64, split_at_features: bool = False,
+                               gradient_slots=None) -> Optional[GraphedRegion]:
     """Give one Deformable-DETR-family or Mask2Former detector (an instance with mmdet 3.3.0's pieces) the
     graph-replayed training loss; returns its :class:`GraphedRegion`, or None when the detector is not one this path
     knows.
@@ -329,6 +331,9 @@ def enable_cuda_graph_training(detector, max_graphs: int = 64,
     and head, which the second region's backward replay returns first, be all-reduced while the backbone's backward
     replays (with one region every gradient arrives at the end of the backward, and no reduction overlaps it). On
     one GPU it only adds a region boundary (a copy of the features and of their gradients).
+
+    ``gradient_slots``: the regions write the parameters' gradients into these slots and make them the ``.grad``
+    (see :class:`.graphed_region.GraphedRegion`); not under DistributedDataParallel.
     """
     if "loss" in vars(detector):
         return None
@@ -346,7 +351,7 @@ def enable_cuda_graph_training(detector, max_graphs: int = 64,
 
         features_region = GraphedRegion(features, detector, name=f"{name} training {' and '.join(feature_modules)}",
                                         max_graphs=max_graphs, parameter_filter=in_feature_modules,
-                                        reports_signatures=False)
+                                        reports_signatures=False, gradient_slots=gradient_slots)
         # Set at the first call, before the region first runs: how many of its inputs are features.
         feature_count = []
 
@@ -355,10 +360,11 @@ def enable_cuda_graph_training(detector, max_graphs: int = 64,
             return pieces.region(padded_shape, *inputs[count:], features=inputs[:count])
 
         region = GraphedRegion(after_features, detector, name=f"{name} training transformer and head",
-                               max_graphs=max_graphs,
+                               max_graphs=max_graphs, gradient_slots=gradient_slots,
                                parameter_filter=lambda parameter: not in_feature_modules(parameter))
     else:
-        region = GraphedRegion(pieces.region, detector, name=f"{name} training forward", max_graphs=max_graphs)
+        region = GraphedRegion(pieces.region, detector, name=f"{name} training forward", max_graphs=max_graphs,
+                               gradient_slots=gradient_slots)
     stock_loss = type(detector).loss.__get__(detector)
 
     def loss(batch_inputs, batch_data_samples):
@@ -381,8 +387,10 @@ def enable_cuda_graph_training(detector, max_graphs: int = 64,
     return region
 
 
-def enable_cuda_graphs(model, split_at_features: bool = False) -> int:
+def enable_cuda_graphs(model, split_at_features: bool = False, gradient_slots=None) -> int:
     """Turn the graph-replayed training loss on for every Deformable-DETR-family and Mask2Former detector in
-    ``model``; returns how many detectors changed (``split_at_features``: see :func:`enable_cuda_graph_training`)."""
-    return sum(enable_cuda_graph_training(module, split_at_features=split_at_features) is not None
+    ``model``; returns how many detectors changed (``split_at_features``, ``gradient_slots``: see
+    :func:`enable_cuda_graph_training`)."""
+    return sum(enable_cuda_graph_training(module, split_at_features=split_at_features,
+                                          gradient_slots=gradient_slots) is not None
                for module in model.modules())

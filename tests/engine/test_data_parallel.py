@@ -1,0 +1,242 @@
+"""Gradient slots for graphed regions, and FlatGradientsDataParallel: the gradients autograd would give (one
+process), the mean of the ranks' gradients (two gloo ranks), and the config-level wiring."""
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from gloo_ranks import run_gloo_ranks  # noqa: E402
+from test_mmdet_graphed_training import EmulatedGraphRegion, _Net, _small_region, _step  # noqa: E402
+
+from deform_plugin.engine.data_parallel import FlatGradientsDataParallel, ParameterGradientSlots  # noqa: E402
+
+
+def _batch(step, rows=4, seed=0):
+    generator = torch.Generator().manual_seed(seed + 10 * step)
+    return (torch.randn(rows, 6, generator=generator, dtype=torch.float64),
+            torch.rand(rows, generator=generator, dtype=torch.float64))
+
+
+def _trainable_grads(net):
+    return [None if p.grad is None else p.grad.clone() for p in net.parameters() if p.requires_grad]
+
+
+def test_slots_view_one_flat_buffer_per_dtype_in_parameter_order():
+    net = _Net().double()
+    net.b.float()
+    slots = ParameterGradientSlots(net.parameters())
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    assert slots.parameters == trainable
+    assert {flat.dtype for flat in slots.flats} == {torch.float32, torch.float64} and len(slots.flats) == 2
+    assert all(slots.slot(p).shape == p.shape and slots.slot(p).dtype == p.dtype for p in trainable)
+    assert slots.slot(net.frozen.weight) is None
+    float64 = [p for p in trainable if p.dtype == torch.float64]
+    starts = [slots.slot(p).data_ptr() for p in float64]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert all(flat.abs().sum() == 0 for flat in slots.flats)
+
+
+def test_non_contiguous_parameters_get_no_slot():
+    module = nn.Module()
+    module.weight = nn.Parameter(torch.randn(4, 3).t())
+    slots = ParameterGradientSlots(module.parameters())
+    assert slots.slot(module.weight) is None and slots.unslotted == [module.weight] and slots.flats == []
+
+
+def test_gather_moves_eager_gradients_into_the_slots_and_zero_fills_missing_ones():
+    net = _Net().double()
+    slots = ParameterGradientSlots(net.parameters())
+    for flat in slots.flats:
+        flat.fill_(7.0)  # what a replay of another signature may have left there
+    _step(_small_region(net), *_batch(0), 0)
+    expected = _trainable_grads(net)
+    assert expected[-2] is None and expected[-1] is None  # `unused` gets none
+    slots.gather()
+    for parameter, want in zip([p for p in net.parameters() if p.requires_grad], expected):
+        assert parameter.grad is slots.slot(parameter)
+        torch.testing.assert_close(parameter.grad, torch.zeros_like(parameter) if want is None else want,
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-region", "two-regions"])
+def test_replays_write_gradients_into_slots_without_autograd_accumulation(split):
+    torch.manual_seed(0)
+    net = _Net().double()
+    eager_net = copy.deepcopy(net)
+    slots = ParameterGradientSlots(net.parameters())
+    if split:
+        def first(x, scale):
+            return (torch.tanh(net.a(x)) * scale[:, None],), None
+
+        def second(hidden):
+            return dict(out=net.frozen(net.b(hidden)), flags=[hidden > 0, None]), ("constant", hidden.shape[0])
+        regions = [EmulatedGraphRegion(first, net, name="first", gradient_slots=slots,
+                                       parameter_filter=lambda n: n.startswith("a.")),
+                   EmulatedGraphRegion(second, net, name="second", gradient_slots=slots,
+                                       parameter_filter=lambda n: not n.startswith("a."))]
+
+        def call(x, scale):
+            (hidden,), _ = regions[0](x, scale)
+            return regions[1](hidden)
+    else:
+        regions = [EmulatedGraphRegion(_small_region(net), net, name="slotted", gradient_slots=slots)]
+        call = regions[0]
+    eager = _small_region(eager_net)
+    for step in range(4):  # warm-up, capture, replays
+        net.zero_grad(set_to_none=True)
+        eager_net.zero_grad(set_to_none=True)
+        _step(call, *_batch(step), step)
+        _step(eager, *_batch(step), step)
+        for p, q in zip(net.parameters(), eager_net.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+                if step >= 1:  # a captured or replayed step: the slot itself is the gradient
+                    assert p.grad is slots.slot(p)
+    assert all(region.replays == 3 for region in regions)
+
+
+def test_gradients_accumulated_across_replays_are_summed():
+    # Without zero_grad between two backwards (gradient accumulation) a replay must not overwrite what the
+    # parameters hold in their slots.
+    torch.manual_seed(0)
+    net = _Net().double()
+    eager_net = copy.deepcopy(net)
+    slots = ParameterGradientSlots(net.parameters())
+    region = EmulatedGraphRegion(_small_region(net), net, name="slotted", gradient_slots=slots)
+    eager = _small_region(eager_net)
+    for step in range(2):  # warm-up and capture
+        net.zero_grad(set_to_none=True)
+        _step(region, *_batch(step), step)
+    net.zero_grad(set_to_none=True)
+    eager_net.zero_grad(set_to_none=True)
+    for step in (2, 3, 4):
+        _step(region, *_batch(step), step)
+        _step(eager, *_batch(step), step)
+    assert region.replays == 4
+    for p, q in zip(net.parameters(), eager_net.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12)
+
+
+def _wrapper_worker(rank, out_dir):
+    torch.manual_seed(rank)  # different weights on each rank: the wrapper broadcasts rank 0's
+    net = _Net().double()
+    net.register_buffer("running", torch.full((2,), float(rank)))
+    wrapper = FlatGradientsDataParallel(net)
+    region = EmulatedGraphRegion(_small_region(net), net, name="ranked", gradient_slots=wrapper.gradient_slots)
+    weights = [p.detach().clone() for p in net.parameters()]
+    grads = []
+    for step in range(4):
+        net.zero_grad(set_to_none=True)
+        _step(region, *_batch(step, rows=4 + rank, seed=100 * rank), step)
+        wrapper.average_gradients()
+        grads.append(_trainable_grads(net))
+    torch.save(dict(weights=weights, buffer=net.running.clone(), grads=grads,
+                    counts=(region.eager_calls, region.replays)), out_dir / f"rank{rank}.pt")
+
+
+def test_wrapper_averages_the_ranks_gradients_and_starts_from_rank_0s_weights(tmp_path):
+    run_gloo_ranks(_wrapper_worker, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    torch.manual_seed(0)
+    net = _Net().double()
+    for rank in ranks:
+        assert rank["counts"] == (1, 3)
+        assert torch.equal(rank["buffer"], torch.zeros(2))
+        for got, want in zip(rank["weights"], net.parameters()):
+            assert torch.equal(got, want.detach())
+    eager = _small_region(net)
+    for step in range(4):
+        per_rank = []
+        for rank in range(2):
+            net.zero_grad(set_to_none=True)
+            _step(eager, *_batch(step, rows=4 + rank, seed=100 * rank), step)
+            per_rank.append(_trainable_grads(net))
+        for rank in ranks:
+            for got, *expected in zip(rank["grads"][step], *per_rank):
+                if all(e is None for e in expected):  # used on no rank: zeros
+                    torch.testing.assert_close(got, torch.zeros_like(got), rtol=0, atol=0)
+                    continue
+                torch.testing.assert_close(got, sum(expected) / 2, rtol=1e-12, atol=1e-12)
+
+
+def test_wrapper_refuses_a_run_without_a_process_group():
+    with pytest.raises(ValueError, match="process group"):
+        FlatGradientsDataParallel(nn.Linear(2, 2))
+
+
+def _train_step_worker(rank, out_dir):
+    # The wrapper's train_step through mmengine's optim wrapper (SGD: the update is lr times the averaged gradient).
+    from mmengine.model import BaseModel
+    from mmengine.optim import OptimWrapper
+
+    class Toy(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 1).double()
+
+        def forward(self, inputs, data_samples=None, mode="tensor"):
+            return dict(loss=(self.linear(inputs) ** 2).mean())
+
+    torch.manual_seed(0)
+    model = Toy()
+    wrapper = FlatGradientsDataParallel(model)
+    optim = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.5))
+    inputs = torch.arange(6, dtype=torch.float64).reshape(2, 3) * (rank + 1)
+    log_vars = wrapper.train_step(dict(inputs=inputs), optim)
+    torch.save(dict(weight=model.linear.weight.detach().clone(), loss=log_vars["loss"]), out_dir / f"rank{rank}.pt")
+
+
+def test_wrapper_train_step_updates_every_rank_with_the_mean_gradient(tmp_path):
+    run_gloo_ranks(_train_step_worker, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 1).double()
+    start = linear.weight.detach().clone()
+    grads = []
+    for rank in range(2):
+        linear.zero_grad()
+        inputs = torch.arange(6, dtype=torch.float64).reshape(2, 3) * (rank + 1)
+        (linear(inputs) ** 2).mean().backward()
+        grads.append(linear.weight.grad.clone())
+    expected = start - 0.5 * (grads[0] + grads[1]) / 2
+    for rank in ranks:
+        torch.testing.assert_close(rank["weight"], expected, rtol=1e-12, atol=1e-12)
+    assert ranks[0]["loss"] != ranks[1]["loss"]  # each rank logs its own loss, as under DDP
+
+
+def test_fast_paths_hook_takes_the_wrappers_slots_and_none_under_ddp_or_off_cuda():
+    from deform_plugin.engine import FastPathsHook
+
+    class FakeWrapper(nn.Module):  # registered below as a model wrapper, with slots
+        pass
+
+    hook = FastPathsHook(cuda_graphs=True)
+    net = _Net().double()
+    assert hook._gradient_slots(net) is None  # parameters on the CPU: no graphs to write slots
+    assert FastPathsHook()._gradient_slots(net) is None  # cuda_graphs off
+    from mmengine.registry import MODEL_WRAPPERS
+    MODEL_WRAPPERS.register_module(module=FakeWrapper, force=True)
+    try:
+        wrapped = FakeWrapper()
+        wrapped.module = net
+        assert hook._gradient_slots(wrapped) is None  # a wrapper without slots (DistributedDataParallel)
+        wrapped.gradient_slots = ParameterGradientSlots(net.parameters())
+        assert hook._gradient_slots(wrapped) is wrapped.gradient_slots
+    finally:
+        MODEL_WRAPPERS._module_dict.pop("FakeWrapper")
+
+
+def test_the_fast_detr_configs_select_the_flat_gradients_wrapper():
+    from mmengine.config import Config
+    root = Path(__file__).resolve().parents[2]
+    for name in ("deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py",
+                 "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"):
+        cfg = Config.fromfile(str(root / "configs" / "fast" / name))
+        assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel"), name
