@@ -233,10 +233,11 @@ def test_fast_paths_hook_takes_the_wrappers_slots_and_none_under_ddp_or_off_cuda
         MODEL_WRAPPERS._module_dict.pop("FakeWrapper")
 
 
-def test_the_fast_detr_configs_select_the_flat_gradients_wrapper():
+def test_the_fast_configs_with_graphed_training_select_the_flat_gradients_wrapper():
     from mmengine.config import Config
     root = Path(__file__).resolve().parents[2]
     for name in ("deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py",
-                 "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"):
+                 "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py",
+                 "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py"):
         cfg = Config.fromfile(str(root / "configs" / "fast" / name))
         assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel"), name
