@@ -241,3 +241,64 @@ def test_the_fast_configs_with_graphed_training_select_the_flat_gradients_wrappe
                  "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py"):
         cfg = Config.fromfile(str(root / "configs" / "fast" / name))
         assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel"), name
+
+
+class _RankDataset(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return dict(inputs=torch.tensor([float(index), 1.0, -0.5 * index], dtype=torch.float64))
+
+
+def _runner_worker(rank, out_dir):
+    # What tools/dist_train.sh builds from a config: mmengine's Runner, launcher 'pytorch', the wrapper from
+    # model_wrapper_cfg through MODEL_WRAPPERS; each rank trains on its own shard (DefaultSampler).
+    from mmengine.model import BaseModel
+    from mmengine.runner import Runner
+
+    import deform_plugin.engine  # noqa: F401  (registers the wrapper, as the fast configs' custom_imports do)
+
+    class Toy(BaseModel):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 1).double()
+
+        def forward(self, inputs, data_samples=None, mode="tensor"):
+            return dict(loss=(self.linear(torch.stack(inputs)) ** 2).mean())
+
+    torch.manual_seed(rank)  # rank 1's own initial weights are replaced by rank 0's
+    runner = Runner(model=Toy(), work_dir=str(out_dir / f"work{rank}"), launcher="pytorch",
+                    env_cfg=dict(dist_cfg=dict(backend="gloo")),
+                    cfg=dict(model_wrapper_cfg=dict(type="FlatGradientsDataParallel")),
+                    train_dataloader=dict(dataset=_RankDataset(), batch_size=2, num_workers=0,
+                                          sampler=dict(type="DefaultSampler", shuffle=False)),
+                    train_cfg=dict(by_epoch=False, max_iters=2, val_interval=100),
+                    optim_wrapper=dict(optimizer=dict(type="SGD", lr=0.1)),
+                    default_hooks=dict(checkpoint=None, logger=None), default_scope=None)
+    assert type(runner.model).__name__ == "FlatGradientsDataParallel"
+    runner.train()
+    torch.save(dict(weight=runner.model.module.linear.weight.detach().clone(),
+                    bias=runner.model.module.linear.bias.detach().clone()), out_dir / f"rank{rank}.pt")
+
+
+def test_the_runner_trains_every_rank_with_the_mean_gradient(tmp_path):
+    run_gloo_ranks(_runner_worker, tmp_path)
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 1).double()
+    data = _RankDataset()
+    shards = [[0, 2, 4, 6], [1, 3, 5, 7]]  # DefaultSampler without shuffling: rank r takes r, r + 2, ...
+    for step in range(2):
+        grads = []
+        for shard in shards:
+            linear.zero_grad()
+            batch = torch.stack([data[i]["inputs"] for i in shard[2 * step:2 * step + 2]])
+            (linear(batch) ** 2).mean().backward()
+            grads.append([linear.weight.grad.clone(), linear.bias.grad.clone()])
+        with torch.no_grad():
+            linear.weight -= 0.1 * (grads[0][0] + grads[1][0]) / 2
+            linear.bias -= 0.1 * (grads[0][1] + grads[1][1]) / 2
+    for rank in ranks:
+        torch.testing.assert_close(rank["weight"], linear.weight.detach(), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(rank["bias"], linear.bias.detach(), rtol=1e-12, atol=1e-12)
