@@ -115,7 +115,22 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
     if steady and metrics["first_100_img_s"]:
         metrics["first_100_over_steady"] = metrics["first_100_img_s"] / steady
     metrics["split"] = iteration_split(timing.get("per_iteration") or [], windows["all"])
+    metrics["steady_replay_median_ms"] = replay_median_ms(timing.get("per_iteration") or [], windows["steady"])
     return metrics
+
+
+def replay_median_ms(per_iteration: Sequence[dict], window) -> Optional[float]:
+    """The median milliseconds of a window's replayed iterations (graphed training), None where none replayed:
+    what one more replayed step costs, without the captures that a window may still hold (comparisons of one and
+    several GPUs, whose windows hold different numbers of captures, read this)."""
+    first, last = window
+    seconds = sorted(e["seconds"] for e in per_iteration
+                     if first <= e["iteration"] <= last and e.get("kind") == "replay" and e.get("seconds") is not None)
+    if not seconds:
+        return None
+    middle = len(seconds) // 2
+    median = seconds[middle] if len(seconds) % 2 else (seconds[middle - 1] + seconds[middle]) / 2
+    return 1000 * median
 
 
 def iteration_split(per_iteration: Sequence[dict], window) -> Optional[dict]:
@@ -204,7 +219,7 @@ def markdown(report: dict) -> str:
             f"| {_fmt(m['padded_over_image_pixels'])} "
             f"| {memory} "
             f"| {_fmt(m['speedup'], '.2f', 'x')} |")
-    lines += split_table(report["rows"], whole)
+    lines += split_table(report["rows"], whole, steady)
     failed = [r for r in report["results"] if r["status"] != "ok"]
     for result in failed:
         lines += ["", f"**{Path(result['config']).name} {result['row']} failed** (log: {result['log']}):", "",
@@ -216,15 +231,17 @@ SPLIT_KINDS = (("first", "iteration 1"), ("eager", "new shape, eager warm-up"), 
                ("replay", "replay"), ("other", "other"))
 
 
-def split_table(rows: Sequence[dict], whole) -> list:
-    """Markdown lines: each row's whole-run seconds by iteration kind (iterations, seconds, ms per iteration)."""
+def split_table(rows: Sequence[dict], whole, steady) -> list:
+    """Markdown lines: each row's whole-run seconds by iteration kind (iterations, seconds, ms per iteration), and
+    the median replayed iteration of the steady window."""
     split_rows = [m for m in rows if m.get("split")]
     if not split_rows:
         return []
     lines = ["", f"Where iterations {whole[0]}-{whole[1]} go (host clock at each iteration's end; iterations, "
                  "seconds, ms per iteration):", "",
-             "| config | row | " + " | ".join(title for _, title in SPLIT_KINDS) + " |",
-             "|---|---|" + "--:|" * len(SPLIT_KINDS)]
+             "| config | row | " + " | ".join(title for _, title in SPLIT_KINDS)
+             + f" | replay median, it {steady[0]}-{steady[1]} |",
+             "|---|---|" + "--:|" * (len(SPLIT_KINDS) + 1)]
     for m in split_rows:
         cells = []
         for kind, _ in SPLIT_KINDS:
@@ -232,6 +249,7 @@ def split_table(rows: Sequence[dict], whole) -> list:
             cells.append("-" if part is None else
                          f"{part['iterations']}, {part['seconds']:.2f} s, "
                          f"{1000 * part['seconds'] / part['iterations']:.0f}")
+        cells.append(_fmt(m.get("steady_replay_median_ms"), ".1f", " ms"))
         lines.append(f"| {m['config']} | {m['row']} | " + " | ".join(cells) + " |")
     return lines
 

@@ -335,7 +335,7 @@ def test_timer_counts_a_split_detectors_shapes_once_and_all_of_its_capture_time(
 
 
 def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
-    from benchmarks.detector.train_report import iteration_split, split_table
+    from benchmarks.detector.train_report import iteration_split, replay_median_ms, split_table
     region = SimpleNamespace(captured={}, capture_seconds=0.0, eager_calls=0, replays=0, eager_reasons={},
                              first_call_captures=0, first_call_capture_failures={}, capture_phase_seconds={})
     detector = torch.nn.Linear(2, 2)
@@ -365,8 +365,14 @@ def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
     assert split == dict(first=dict(iterations=1, seconds=2.0), eager=dict(iterations=1, seconds=0.5),
                          capture=dict(iterations=1, seconds=0.75), replay=dict(iterations=2, seconds=0.375))
     assert iteration_split(result["per_iteration"], (4, 5)) == dict(replay=dict(iterations=2, seconds=0.375))
-    table = split_table([dict(config="c.py", row="ours:bf16", split=split)], (1, 5))
-    assert table[-1] == "| c.py | ours:bf16 | 1, 2.00 s, 2000 | 1, 0.50 s, 500 | 1, 0.75 s, 750 | 2, 0.38 s, 188 | - |"
+    assert replay_median_ms(result["per_iteration"], (1, 5)) == pytest.approx(187.5)  # (250 + 125) / 2
+    assert replay_median_ms(result["per_iteration"], (2, 4)) == pytest.approx(250.0)
+    assert replay_median_ms(result["per_iteration"], (1, 3)) is None  # no replay there
+    table = split_table([dict(config="c.py", row="ours:bf16", split=split, steady_replay_median_ms=187.5)], (1, 5),
+                        (4, 5))
+    assert table[-3].endswith("| replay | other | replay median, it 4-5 |")
+    assert table[-1] == ("| c.py | ours:bf16 | 1, 2.00 s, 2000 | 1, 0.50 s, 500 | 1, 0.75 s, 750 | 2, 0.38 s, 188 "
+                         "| - | 187.5 ms |")
     # Stock training (no graphed region): every iteration after the first is "other".
     stock = IterationTimerHook(windows=[(1, 3)], out_file=str(tmp_path / "s.json"), clock=FakeClock())
     run_fake_training(stock, iterations=3, tmp_path=tmp_path)
