@@ -101,11 +101,20 @@ class FlatGradientsDataParallel(nn.Module):
     Args:
         module: the model (already on its device).
         process_group: the group to average over; the default group where None.
+        broadcast_buffers: must be False (buffers are broadcast once, when the wrapper is built); for buffers that
+            change in training and must agree across ranks every step, use ``MMDistributedDataParallel``.
+        find_unused_parameters: accepted for configs written for ``MMDistributedDataParallel``; either way a
+            parameter without a gradient contributes zeros (nothing to find).
     """
 
-    def __init__(self, module: nn.Module, process_group=None):
+    def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = False,
+                 find_unused_parameters: bool = False):
         super().__init__()
         import torch.distributed as dist
+        if broadcast_buffers:
+            raise ValueError(f"FlatGradientsDataParallel(broadcast_buffers={broadcast_buffers!r}): buffers are "
+                             "broadcast once, when the wrapper is built, not every step; use "
+                             "MMDistributedDataParallel for that")
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("FlatGradientsDataParallel needs an initialised torch.distributed process group "
                              "(launch with tools/dist_train.sh or torchrun)")

@@ -166,9 +166,11 @@ def test_wrapper_averages_the_ranks_gradients_and_starts_from_rank_0s_weights(tm
                 torch.testing.assert_close(got, sum(expected) / 2, rtol=1e-12, atol=1e-12)
 
 
-def test_wrapper_refuses_a_run_without_a_process_group():
+def test_wrapper_refuses_a_run_without_a_process_group_and_per_step_buffer_broadcasts():
     with pytest.raises(ValueError, match="process group"):
         FlatGradientsDataParallel(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="broadcast_buffers=True"):
+        FlatGradientsDataParallel(nn.Linear(2, 2), broadcast_buffers=True)
 
 
 def _train_step_worker(rank, out_dir):
