@@ -58,7 +58,8 @@ DIST_PORT = 29517  # torch.distributed.run rendezvous of multi-GPU rows (one row
 def row_command(row: Row, overlay_path: Path, work_dir: Path, gpus: int = 1,
                 numa_binding: Optional[str] = None) -> List[str]:
     """The training command line a user would type for this row (with ``gpus`` > 1: as tools/dist_train.sh runs
-    it, one process per GPU under ``torch.distributed.run``, whose ``--numa-binding`` mode ``numa_binding`` is)."""
+    it, one process per GPU under ``torch.distributed.run``; ``numa_binding`` is its ``--numa-binding`` mode, or
+    None)."""
     launcher = [sys.executable]
     if gpus > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}",
