@@ -7,11 +7,15 @@ For each case, dtype and location distribution it
      compiled ops are importable (its im2col_step = gcd(batch, 64)), else for our PyTorch reference;
   3. measures the peak extra memory of forward+backward;
   4. compares with the floors of :mod:`benchmarks.ops.floors`, measured on the same card.
+With ``--deterministic`` it does the same for the Triton op under ``torch.use_deterministic_algorithms(True)``,
+whose backward sums each ``grad_value`` row in a fixed order (sort and segment sum) instead of scattering with
+atomics: the two backward strategies side by side, with their errors against float64 (column ``gv err``).
 It prints a machine line and a table with speedup columns, appends rows to a CSV and draws a PNG.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -128,11 +132,29 @@ def stock_mmcv_op() -> Optional[Callable]:
     return stock
 
 
-def implementations(dtype: torch.dtype, baseline: str) -> Dict[str, Callable]:
+# The implementation timed with ``torch.use_deterministic_algorithms(True)``: the Triton op whose backward sums each
+# grad_value row's contributions in a fixed order (sort and segment sum) instead of scattering them with atomics.
+DETERMINISTIC = "triton det"
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool):
+    """``torch.use_deterministic_algorithms(enabled)`` inside the block, the previous setting after it."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(enabled)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def implementations(dtype: torch.dtype, baseline: str, deterministic: bool = False) -> Dict[str, Callable]:
     from deform_plugin.ops import multi_scale_deformable_attn_reference
     from deform_plugin.ops.msda.triton_op import multi_scale_deformable_attn_triton
 
     impls = {"triton": multi_scale_deformable_attn_triton}
+    if deterministic:
+        impls[DETERMINISTIC] = multi_scale_deformable_attn_triton
     stock = stock_mmcv_op()
     if baseline == "stock" and stock is not None and dtype != torch.bfloat16:
         impls["mmcv"] = stock
@@ -159,8 +181,9 @@ def check_against_float64(fn, inputs) -> Dict[str, float]:
     out = fn(ours[0], shapes, starts, ours[1], ours[2])
     grads = torch.autograd.grad(out, ours, grad_output)
     ref = [t.detach().double().requires_grad_() for t in (value, locations, weights)]
-    ref_out = multi_scale_deformable_attn_reference(ref[0], shapes, starts, ref[1], ref[2])
-    ref_grads = torch.autograd.grad(ref_out, ref, grad_output.double())
+    with deterministic_algorithms(False):  # the reference's own scatter need not be ordered
+        ref_out = multi_scale_deformable_attn_reference(ref[0], shapes, starts, ref[1], ref[2])
+        ref_grads = torch.autograd.grad(ref_out, ref, grad_output.double())
     errors = dict(out=relative_error(out, ref_out), rounding=relative_error(ref_out.to(value.dtype), ref_out))
     for name, a, b in zip(("grad_value", "grad_loc", "grad_weight"), grads, ref_grads):
         errors[name] = relative_error(a, b)
@@ -271,33 +294,43 @@ def tune(case_names, dtype_names, dists, rep: int = 100, device="cuda", cases=No
 # One case, the table, main
 # ---------------------------------------------------------------------------------------------------------------------
 
-def bench_case(case: Case, dist: str, dtype_names: List[str], baseline: str, bandwidth: float, rep: int
-               ) -> Tuple[List[dict], bool]:
-    """Rows of every implementation and dtype for one case and distribution, and whether every check passed."""
+def bench_case(case: Case, dist: str, dtype_names: List[str], baseline: str, bandwidth: float, rep: int,
+               deterministic: bool = False) -> Tuple[List[dict], bool]:
+    """Rows of every implementation and dtype for one case and distribution, and whether every check passed
+    (``deterministic``: also the Triton op under deterministic algorithms, with its own errors)."""
     from benchmarks.ops.floors import dram_bytes, gather_scatter_floor
 
     rows, ok, stock_fp32 = [], True, None
     for dtype_name in dtype_names:
         dtype = DTYPES[dtype_name]
         inputs = make_inputs(case, dtype, dist)
-        errors = check_against_float64(implementations(dtype, baseline)["triton"], inputs)
-        passed = errors_pass(errors, dtype_name)
-        ok &= passed
-        print(f"check {case.name} {dtype_name} {dist}: " + " ".join(f"{k} {v:.2e}" for k, v in errors.items())
-              + ("" if passed else "  FAILED"), flush=True)
+        impls = implementations(dtype, baseline, deterministic)
+        errors_of = {}
+        for impl in ("triton", DETERMINISTIC):
+            if impl not in impls:
+                continue
+            with deterministic_algorithms(impl == DETERMINISTIC):
+                errors_of[impl] = check_against_float64(impls[impl], inputs)
+            passed = errors_pass(errors_of[impl], dtype_name)
+            ok &= passed
+            print(f"check {case.name} {dtype_name} {dist} {impl}: "
+                  + " ".join(f"{k} {v:.2e}" for k, v in errors_of[impl].items())
+                  + ("" if passed else "  FAILED"), flush=True)
         gather_ms, scatter_ms = gather_scatter_floor(case, dtype, inputs[2], inputs[3])
         floor_fwd, floor_total = (b / bandwidth * 1e3 for b in dram_bytes(case, dtype))
         timings = {}
-        for impl, fn in implementations(dtype, baseline).items():
+        for impl, fn in impls.items():
             if impl == "reference" and case.batch * case.num_queries > 50000:
                 continue  # the reference needs ~2 GB per encoder call; time it only where it fits quickly
-            timings[impl] = (time_modes(fn, inputs, rep), forward_backward_memory_mb(fn, inputs))
+            with deterministic_algorithms(impl == DETERMINISTIC):
+                timings[impl] = (time_modes(fn, inputs, rep), forward_backward_memory_mb(fn, inputs))
         if "mmcv" in timings and dtype == torch.float32:
             stock_fp32 = timings["mmcv"][0]
         base = timings.get("mmcv", timings.get("reference"))
         for impl, (modes, memory) in timings.items():
             row = dict(case=case.name, dtype=dtype_name, dist=dist, impl=impl, samples=case.samples,
-                       peak_extra_mb=round(memory, 1), out_err=errors["out"] if impl == "triton" else "",
+                       peak_extra_mb=round(memory, 1), out_err=errors_of[impl]["out"] if impl in errors_of else "",
+                       grad_value_err=errors_of[impl]["grad_value"] if impl in errors_of else "",
                        gather_floor_ms=gather_ms, scatter_floor_ms=scatter_ms,
                        dram_floor_fwd_ms=floor_fwd, dram_floor_fwd_bwd_ms=floor_total)
             for mode, (median, p20, p80) in modes.items():
@@ -320,7 +353,8 @@ TABLE_COLUMNS = (("case", "case", "s"), ("dtype", "dtype", "s"), ("dist", "dist"
                  ("fwd ms", "fwd_ms", ".3f"), ("bwd ms", "bwd_ms", ".3f"), ("f+b ms", "fwd+bwd_ms", ".3f"),
                  ("spd fwd", "fwd_speedup", ".2f"), ("spd f+b", "fwd+bwd_speedup", ".2f"),
                  ("vs32 f", "fwd_vs_stock_fp32", ".2f"), ("vs32 fb", "fwd+bwd_vs_stock_fp32", ".2f"),
-                 ("MB", "peak_extra_mb", ".0f"), ("gath", "gather_floor_ms", ".3f"),
+                 ("MB", "peak_extra_mb", ".0f"), ("gv err", "grad_value_err", ".1e"),
+                 ("gath", "gather_floor_ms", ".3f"),
                  ("scat", "scatter_floor_ms", ".3f"), ("fwd/fl", "fwd_vs_gather_floor", ".2f"),
                  ("fb/fl", "fwd+bwd_vs_floor", ".2f"), ("dram%", "fwd+bwd_dram_fraction", ".1%"))
 
@@ -360,6 +394,9 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--tune", action="store_true",
                         help="time the Triton launchers (plain and fused) under TUNE_CONFIGS instead")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement (ms)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help=f"also time the Triton op under torch.use_deterministic_algorithms(True) (row "
+                             f"'{DETERMINISTIC}': grad_value summed per row in a fixed order, no atomics)")
     return parser
 
 
@@ -387,7 +424,8 @@ def main(argv=None, description: Optional[str] = None) -> int:
     ok = True
     for name in case_names:
         for dist in dists:
-            case_rows, case_ok = bench_case(CASES[name], dist, dtype_names, args.baseline, bandwidth, args.rep)
+            case_rows, case_ok = bench_case(CASES[name], dist, dtype_names, args.baseline, bandwidth, args.rep,
+                                            args.deterministic)
             rows += case_rows
             ok &= case_ok
     print("\n" + format_table(rows, machine))

@@ -174,12 +174,37 @@ def test_bench_deform_sdpa_smoke_on_cpu(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="bench_msda times CUDA kernels")
 def test_bench_msda_one_case_on_cuda(tmp_path):
     stdout = _run_tool("bench_msda.py", ["--cases", "decoder_q300", "--dtypes", "fp32", "--dists", "uniform",
-                                         "--rep", "5", "--out", str(tmp_path)]).stdout
-    assert stdout.startswith("machine: ") and "check decoder_q300 fp32 uniform" in stdout
+                                         "--rep", "5", "--out", str(tmp_path), "--deterministic"]).stdout
+    assert stdout.startswith("machine: ") and "check decoder_q300 fp32 uniform triton det" in stdout
     assert "FAILED" not in stdout
     with open(tmp_path / "msda_bench.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {r["impl"] for r in rows} >= {"triton"} and all(float(r["fwd_ms"]) > 0 for r in rows)
+    assert {r["impl"] for r in rows} >= {"triton", "triton det"} and all(float(r["fwd_ms"]) > 0 for r in rows)
+    assert all(float(r["grad_value_err"]) < 1e-5 for r in rows if r["impl"].startswith("triton"))
+
+
+def test_bench_msda_checks_the_deterministic_backward_against_float64(monkeypatch):
+    # The deterministic row's errors come from the sort-and-segment backward, the other row's from the atomics
+    # (both run here under the Triton interpreter); the setting is restored after each block.
+    from benchmarks.ops import msda as bench
+    from deform_plugin.ops.msda import triton_launch
+    backwards = []
+    launch = triton_launch.msda_backward
+    monkeypatch.setattr(triton_launch, "msda_backward",
+                        lambda *args, deterministic, **kwargs: backwards.append(deterministic)
+                        or launch(*args, deterministic=deterministic, **kwargs))
+    case = bench.Case("tiny", levels=((4, 6), (2, 3)), batch=2, queries=5, heads=2, head_dim=8, points=2)
+    inputs = bench.make_inputs(case, torch.float32, "uniform", device="cpu")
+    impls = bench.implementations(torch.float32, "reference", deterministic=True)
+    assert set(impls) == {"triton", bench.DETERMINISTIC, "reference"}
+    assert not torch.are_deterministic_algorithms_enabled()
+    for impl in ("triton", bench.DETERMINISTIC):
+        with bench.deterministic_algorithms(impl == bench.DETERMINISTIC):
+            assert torch.are_deterministic_algorithms_enabled() == (impl == bench.DETERMINISTIC)
+            errors = bench.check_against_float64(impls[impl], inputs)
+        assert not torch.are_deterministic_algorithms_enabled()
+        assert bench.errors_pass(errors, "fp32"), (impl, errors)
+    assert backwards == [False, True]
 
 
 def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
