@@ -173,10 +173,10 @@ def test_wrapper_refuses_a_run_without_a_process_group_and_per_step_buffer_broad
         FlatGradientsDataParallel(nn.Linear(2, 2), broadcast_buffers=True)
 
 
-def _train_step_worker(rank, out_dir):
-    # The wrapper's train_step through mmengine's optim wrapper (SGD: the update is lr times the averaged gradient).
+def _toy_model():
+    """An mmengine model with one linear layer whose loss is the mean squared output (inputs: a batch tensor, or the
+    list of samples the default collate gives)."""
     from mmengine.model import BaseModel
-    from mmengine.optim import OptimWrapper
 
     class Toy(BaseModel):
         def __init__(self):
@@ -184,10 +184,18 @@ def _train_step_worker(rank, out_dir):
             self.linear = nn.Linear(3, 1).double()
 
         def forward(self, inputs, data_samples=None, mode="tensor"):
-            return dict(loss=(self.linear(inputs) ** 2).mean())
+            batch = torch.stack(inputs) if isinstance(inputs, list) else inputs
+            return dict(loss=(self.linear(batch) ** 2).mean())
+
+    return Toy()
+
+
+def _train_step_worker(rank, out_dir):
+    # The wrapper's train_step through mmengine's optim wrapper (SGD: the update is lr times the averaged gradient).
+    from mmengine.optim import OptimWrapper
 
     torch.manual_seed(0)
-    model = Toy()
+    model = _toy_model()
     wrapper = FlatGradientsDataParallel(model)
     optim = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.5))
     inputs = torch.arange(6, dtype=torch.float64).reshape(2, 3) * (rank + 1)
@@ -256,21 +264,12 @@ class _RankDataset(torch.utils.data.Dataset):
 def _runner_worker(rank, out_dir):
     # What tools/dist_train.sh builds from a config: mmengine's Runner, launcher 'pytorch', the wrapper from
     # model_wrapper_cfg through MODEL_WRAPPERS; each rank trains on its own shard (DefaultSampler).
-    from mmengine.model import BaseModel
     from mmengine.runner import Runner
 
     import deform_plugin.engine  # noqa: F401  (registers the wrapper, as the fast configs' custom_imports do)
 
-    class Toy(BaseModel):
-        def __init__(self):
-            super().__init__()
-            self.linear = nn.Linear(3, 1).double()
-
-        def forward(self, inputs, data_samples=None, mode="tensor"):
-            return dict(loss=(self.linear(torch.stack(inputs)) ** 2).mean())
-
     torch.manual_seed(rank)  # rank 1's own initial weights are replaced by rank 0's
-    runner = Runner(model=Toy(), work_dir=str(out_dir / f"work{rank}"), launcher="pytorch",
+    runner = Runner(model=_toy_model(), work_dir=str(out_dir / f"work{rank}"), launcher="pytorch",
                     env_cfg=dict(dist_cfg=dict(backend="gloo")),
                     cfg=dict(model_wrapper_cfg=dict(type="FlatGradientsDataParallel")),
                     train_dataloader=dict(dataset=_RankDataset(), batch_size=2, num_workers=0,
