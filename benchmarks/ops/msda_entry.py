@@ -13,6 +13,10 @@ per call (the wall time to issue 50 calls back to back, before waiting for the G
 captured (the stock module checks its tables with a host sync) says so. Speedups are against the stock entry of
 the same kind (op vs stock op, fused op vs stock op, module vs stock module), in fp32 for bf16 rows (stock has no
 bf16).
+
+``--host-split`` measures instead where the host time of one plain-op call goes, ours beside mmcv's: the whole
+forward+backward, the forward without and with autograd, and the backward's launches called directly (see
+:func:`host_split`).
 """
 from __future__ import annotations
 
@@ -151,6 +155,106 @@ def time_entry(entry: Entry, rep: int) -> Dict[str, Optional[float]]:
     return result
 
 
+HOST_SPLIT_PIECES = ("forward+backward", "forward, no grad", "forward with autograd", "backward launches",
+                     "zeros of value's shape")
+
+
+def host_split(case: Case, dtype: torch.dtype, dist: str, device="cuda", calls: int = 300, repeats: int = 5,
+               warmup: int = 20) -> List[dict]:
+    """Host microseconds per call of the plain op's pieces, ours (``backend='triton'``) and mmcv's CUDA op.
+
+    Each piece is issued ``calls`` times back to back and the wall time divided (the best of ``repeats``, after
+    ``warmup`` calls; the device is synchronised between repeats, never inside one). The backward's launches are
+    called without autograd: ours ``triton_launch.msda_backward``, mmcv's three ``zeros_like`` and its
+    ``ms_deform_attn_backward``, as its autograd function does. mmcv's column is None where its compiled ops are
+    missing or for bf16 (it has none).
+    """
+    from deform_plugin.integration.mmcv_lite import compiled_mmcv_ops_available
+    from deform_plugin.ops import multi_scale_deformable_attn
+    from deform_plugin.ops.msda import triton_launch
+
+    value, shapes, starts, locations, weights = make_inputs(case, dtype, dist, device=device)
+    leaves = [_leaf(t) for t in (value, locations, weights)]
+    value_l, locations_l, weights_l = leaves
+    grad_output = torch.randn((case.batch, case.num_queries, case.heads * case.head_dim),
+                              generator=torch.Generator().manual_seed(2)).to(value)
+
+    def ours_forward():
+        return multi_scale_deformable_attn(value_l, shapes, starts, locations_l, weights_l, backend="triton")
+
+    ours = {
+        "forward+backward": lambda: torch.autograd.grad(ours_forward(), leaves, grad_output),
+        "forward, no grad": lambda: _no_grad(ours_forward),
+        "forward with autograd": ours_forward,
+        "backward launches": lambda: triton_launch.msda_backward(grad_output, value, shapes, starts, locations,
+                                                                 weights),
+        "zeros of value's shape": lambda: torch.zeros(value.shape, device=value.device, dtype=torch.float32),
+    }
+    stock: Dict[str, Callable[[], object]] = {}
+    if compiled_mmcv_ops_available() and dtype != torch.bfloat16 and value.is_cuda:
+        from mmcv.ops.multi_scale_deform_attn import MultiScaleDeformableAttnFunction, ext_module
+        im2col_step = math.gcd(case.batch, 64)
+
+        def stock_forward():
+            return MultiScaleDeformableAttnFunction.apply(value_l, shapes, starts, locations_l, weights_l,
+                                                          im2col_step)
+
+        def stock_backward():
+            grads = [torch.zeros_like(t) for t in (value, locations, weights)]
+            ext_module.ms_deform_attn_backward(value, shapes, starts, locations, weights, grad_output.contiguous(),
+                                               *grads, im2col_step=im2col_step)
+            return grads
+
+        stock = {"forward+backward": lambda: torch.autograd.grad(stock_forward(), leaves, grad_output),
+                 "forward, no grad": lambda: _no_grad(stock_forward),
+                 "forward with autograd": stock_forward,
+                 "backward launches": stock_backward}
+    sync = torch.cuda.synchronize if value.is_cuda else (lambda: None)
+    rows = []
+    for piece in HOST_SPLIT_PIECES:
+        row = dict(case=case.name, dtype=_dtype_name(dtype), piece=piece, ours_us=None, stock_us=None)
+        for column, runs in (("ours_us", ours), ("stock_us", stock)):
+            if piece in runs:
+                row[column] = _best_host_us(runs[piece], sync, calls, repeats, warmup)
+        rows.append(row)
+    return rows
+
+
+def _no_grad(run: Callable[[], object]) -> object:
+    with torch.no_grad():
+        return run()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(name for name, candidate in DTYPES.items() if candidate == dtype)
+
+
+def _best_host_us(run: Callable[[], object], sync: Callable[[], None], calls: int, repeats: int,
+                  warmup: int) -> float:
+    for _ in range(warmup):
+        run()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    sync()
+    return best
+
+
+def format_host_split(rows: List[dict], machine: str) -> str:
+    def cell(value):
+        return "-" if value is None else f"{value:.1f}"
+
+    body = [[r["case"], r["dtype"], r["piece"], cell(r["ours_us"]), cell(r["stock_us"])] for r in rows]
+    legend = ("host us per call: wall time to issue the piece, calls back to back, best of the repeats; "
+              "'-' = not run (no compiled mmcv ops, or bf16)")
+    return "\n".join([machine, markdown_table(["case", "dtype", "piece", "ours us", "mmcv us"], body, pad=True),
+                      legend])
+
+
 STOCK_OF = {"op": "stock op", "fused op": "stock op", "module": "stock module"}
 METRICS = ("fwd_ms", "fwd+bwd_ms", "fwd_graph_ms", "fwd+bwd_graph_ms", "fwd_host_us", "fwd+bwd_host_us")
 
@@ -193,6 +297,8 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--dists", default="uniform")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition time per measurement (ms)")
     parser.add_argument("--out", default="bench_results", help="folder for msda_entry.csv and msda_entry.md")
+    parser.add_argument("--host-split", action="store_true",
+                        help="only the host time of the plain op's pieces, ours and mmcv's (msda_host_split.md)")
     return parser
 
 
@@ -203,6 +309,8 @@ def main(argv=None, description: Optional[str] = None) -> int:
         return 2
     machine = machine_line(machine_info(torch.device("cuda")))
     print(machine, flush=True)
+    if args.host_split:
+        return _main_host_split(args, machine)
     rows: List[dict] = []
     for name in [c for c in args.cases.split(",") if c]:
         for dist in [d for d in args.dists.split(",") if d]:
@@ -219,4 +327,20 @@ def main(argv=None, description: Optional[str] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "msda_entry.csv", [dict(machine=machine, **r) for r in rows], append=True)
     (out / "msda_entry.md").write_text(table + "\n")
+    return 0
+
+
+def _main_host_split(args, machine: str) -> int:
+    rows: List[dict] = []
+    for name in [c for c in args.cases.split(",") if c]:
+        for dist in [d for d in args.dists.split(",") if d]:
+            for dtype_name in [d for d in args.dtypes.split(",") if d]:
+                print(f"{name} {dist} {dtype_name} host split", flush=True)
+                rows.extend(host_split(CASES[name], DTYPES[dtype_name], dist))
+    table = format_host_split(rows, machine)
+    print("\n" + table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "msda_host_split.csv", [dict(machine=machine, **r) for r in rows], append=True)
+    (out / "msda_host_split.md").write_text(table + "\n")
     return 0

@@ -213,3 +213,18 @@ def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
                                text=True, timeout=120)
     assert completed.returncode == 2
     assert "mode 'fp8' is not one of fp32, fp16, bf16" in completed.stderr
+
+
+def test_msda_host_split_times_every_piece_of_the_plain_op():
+    # On the CPU only our column runs (the Triton kernels under the interpreter; mmcv's is a CUDA op): each piece is
+    # timed, and the table says which column did not run.
+    from benchmarks.ops import msda_entry
+    from benchmarks.ops.msda import Case
+    case = Case("tiny", levels=((4, 6), (2, 3)), batch=2, queries=5, heads=2, head_dim=8, points=2)
+    rows = msda_entry.host_split(case, torch.float32, "uniform", device="cpu", calls=1, repeats=1, warmup=0)
+    assert [r["piece"] for r in rows] == list(msda_entry.HOST_SPLIT_PIECES)
+    assert all(r["case"] == "tiny" and r["dtype"] == "fp32" for r in rows)
+    assert all(r["ours_us"] > 0 for r in rows) and all(r["stock_us"] is None for r in rows)
+    lines = msda_entry.format_host_split(rows, "machine: cpu").splitlines()
+    assert lines[0] == "machine: cpu" and len(lines) == 4 + len(rows)
+    assert "| tiny" in lines[3] and lines[3].rstrip(" |").endswith("-")
