@@ -17,6 +17,9 @@
 #             GPU, rows one after another (BORROW_ITERS iterations, default 150); compare iterations 2-100 in the
 #             report's per-iteration times (iteration 1 of a call's first row compiles the Triton kernels).
 #   profile   the step profile alone (stock fp32, ours bf16 without and with the config's fast paths).
+#   ops       the op tables of README and docs/kernels.md, stock timed in each run: the MSDA entries (uniform, then
+#             realistic locations), the host split of a decoder-sized call, the deterministic backward, and
+#             deformable SDPA at the seed's size in fp32 and bf16.
 #   build     mmcv's CUDA ops only (the stock baseline), for the phases after it on the same host; with PACK=1 the
 #             build comes back packed in OUT: copied into .whl, later fresh hosts unpack it in seconds.
 #   sizes     training steps at new and at seen random-resize sizes (tools/benchmark.py --variable-sizes).
@@ -25,7 +28,7 @@
 # It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
 # to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|scale|borrow|profile|build|sizes|memory [OUT]}
+phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|ops|scale|borrow|profile|build|sizes|memory [OUT]}
 out=${2:-${OUT:-bench_results/gpu}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -190,6 +193,26 @@ profile)
       --rows stock:fp32 triton:bf16:none triton:bf16:config --profile-steps 3 --no-progress \
       --out-dir "$results" --name profile > "$results/profile.log" 2>&1
   tail -20 "$results/profile.log"
+  ;;
+ops)
+  wait_for_mmcv
+  entry() {  # NAME ARGS...: one run of the MSDA entry benchmark into its own folder
+    local name=$1; shift
+    on_gpu 0 with_full timeout $(left) python3 tools/bench_msda_entry.py --out "$results/$name" "$@" \
+        > "$results/$name.log" 2>&1
+    tail -40 "$results/$name.log"
+  }
+  entry entry_uniform --cases encoder_b2,mask2former_b2,decoder_q300,decoder_q900 --dists uniform --dtypes fp32,bf16
+  entry entry_realistic --cases encoder_b2 --dists realistic --dtypes fp32,bf16
+  entry host_split --cases decoder_q300,decoder_q900 --dists uniform --dtypes fp32 --host-split
+  on_gpu 0 with_full timeout $(left) python3 tools/bench_msda.py --cases encoder_b2,decoder_q300 --dtypes fp32,bf16 \
+      --dists uniform --deterministic --out "$results/deterministic" > "$results/deterministic.log" 2>&1
+  tail -16 "$results/deterministic.log"
+  for dtype in fp32 bf16; do
+    on_gpu 0 with_full timeout $(left) python3 tools/bench_deform_sdpa.py --out "$results/sdpa_$dtype" --dtype $dtype \
+        --sizes 14 --modes fwd fwd+bwd > "$results/sdpa_$dtype.log" 2>&1
+    tail -8 "$results/sdpa_$dtype.log"
+  done
   ;;
 build)
   wait_for_mmcv  # only the stock baseline's build, so that later phases of a fresh host start timing at once
