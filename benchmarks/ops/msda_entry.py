@@ -310,37 +310,36 @@ def main(argv=None, description: Optional[str] = None) -> int:
     machine = machine_line(machine_info(torch.device("cuda")))
     print(machine, flush=True)
     if args.host_split:
-        return _main_host_split(args, machine)
-    rows: List[dict] = []
-    for name in [c for c in args.cases.split(",") if c]:
-        for dist in [d for d in args.dists.split(",") if d]:
-            for dtype_name in [d for d in args.dtypes.split(",") if d]:
-                for entry in entries(CASES[name], DTYPES[dtype_name], dist):
-                    print(f"{name} {dist} {dtype_name} {entry.name}", flush=True)
-                    rows.append(dict(case=name, dist=dist, dtype=dtype_name, entry=entry.name,
-                                     **time_entry(entry, args.rep)))
-                torch.cuda.empty_cache()
+        rows = []
+        for name, dist, dtype_name in _combinations(args):
+            print(f"{name} {dist} {dtype_name} host split", flush=True)
+            rows.extend(host_split(CASES[name], DTYPES[dtype_name], dist))
+        _report(args.out, "msda_host_split", rows, format_host_split(rows, machine), machine)
+        return 0
+    rows = []
+    for name, dist, dtype_name in _combinations(args):
+        for entry in entries(CASES[name], DTYPES[dtype_name], dist):
+            print(f"{name} {dist} {dtype_name} {entry.name}", flush=True)
+            rows.append(dict(case=name, dist=dist, dtype=dtype_name, entry=entry.name,
+                             **time_entry(entry, args.rep)))
+        torch.cuda.empty_cache()
     add_speedups(rows)
-    table = format_table(rows, machine)
-    print("\n" + table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "msda_entry.csv", [dict(machine=machine, **r) for r in rows], append=True)
-    (out / "msda_entry.md").write_text(table + "\n")
+    _report(args.out, "msda_entry", rows, format_table(rows, machine), machine)
     return 0
 
 
-def _main_host_split(args, machine: str) -> int:
-    rows: List[dict] = []
+def _combinations(args):
+    """(case, dist, dtype) of every run the arguments ask for, in their order."""
     for name in [c for c in args.cases.split(",") if c]:
         for dist in [d for d in args.dists.split(",") if d]:
             for dtype_name in [d for d in args.dtypes.split(",") if d]:
-                print(f"{name} {dist} {dtype_name} host split", flush=True)
-                rows.extend(host_split(CASES[name], DTYPES[dtype_name], dist))
-    table = format_host_split(rows, machine)
+                yield name, dist, dtype_name
+
+
+def _report(out_dir: str, stem: str, rows: List[dict], table: str, machine: str) -> None:
+    """Print the table and write it (``STEM.md``) beside the rows (``STEM.csv``, appended) under ``out_dir``."""
     print("\n" + table)
-    out = Path(args.out)
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_csv(out / "msda_host_split.csv", [dict(machine=machine, **r) for r in rows], append=True)
-    (out / "msda_host_split.md").write_text(table + "\n")
-    return 0
+    write_csv(out / f"{stem}.csv", [dict(machine=machine, **r) for r in rows], append=True)
+    (out / f"{stem}.md").write_text(table + "\n")
