@@ -32,6 +32,7 @@ from benchmarks.common import do_bench, machine_info, machine_line, markdown_tab
 from benchmarks.ops.msda import CASES, DTYPES, Case, make_inputs, reference_points
 
 ENTRY_CASES = ("encoder_b2", "decoder_q300", "decoder_q900", "mask2former_b2")
+DISTS = ("uniform", "realistic")  # how make_inputs draws the sampling locations
 HOST_CALLS = 50
 
 
@@ -303,7 +304,13 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
 
 
 def main(argv=None, description: Optional[str] = None) -> int:
-    args = build_parser(description).parse_args(argv)
+    parser = build_parser(description)
+    args = parser.parse_args(argv)
+    for option, given, known in (("--cases", args.cases, CASES), ("--dtypes", args.dtypes, DTYPES),
+                                 ("--dists", args.dists, DISTS)):
+        unknown = [name for name in given.split(",") if name and name not in known]
+        if unknown:
+            parser.error(f"{option}: unknown {', '.join(map(repr, unknown))} (choose from {', '.join(known)})")
     if not torch.cuda.is_available():
         print("the MSDA entry benchmark needs a CUDA device")
         return 2

@@ -228,3 +228,14 @@ def test_msda_host_split_times_every_piece_of_the_plain_op():
     lines = msda_entry.format_host_split(rows, "machine: cpu").splitlines()
     assert lines[0] == "machine: cpu" and len(lines) == 4 + len(rows)
     assert "| tiny" in lines[3] and lines[3].rstrip(" |").endswith("-")
+
+
+@pytest.mark.parametrize("option, value", [("--cases", "encoder_b2,encoder_b3"), ("--dtypes", "fp8"),
+                                           ("--dists", "gaussian")])
+def test_msda_entry_benchmark_names_an_unknown_case_dtype_or_dist(option, value, capsys):
+    from benchmarks.ops import msda_entry
+    with pytest.raises(SystemExit) as stopped:
+        msda_entry.main([option, value, "--host-split"])
+    assert stopped.value.code == 2
+    bad = value.split(",")[-1]
+    assert f"{option}: unknown '{bad}'" in capsys.readouterr().err
