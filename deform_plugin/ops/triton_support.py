@@ -38,9 +38,18 @@ def launch_device(tensor: torch.Tensor):
     Triton launches on the current CUDA device, which need not be the tensors' device: a tensor on ``cuda:1`` would
     otherwise be read by a kernel on ``cuda:0``. Switching devices costs host time, so only when needed.
     """
-    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
-        return torch.cuda.device(tensor.device)
-    return contextlib.nullcontext()
+    return device_of_launch(tensor.device)
+
+
+def device_of_launch(device: torch.device):
+    """:func:`launch_device` for a launch whose tensors are on ``device``."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return _NO_SWITCH
+
+
+# One shared no-op context: entering it twice is harmless, and making one per launch costs host time.
+_NO_SWITCH = contextlib.nullcontext()
 
 
 def data_pointers(tensors) -> tuple:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 import triton.language as tl
 
-from ..triton_support import DirectLaunches, alignment_bits, data_pointers, launch_device, next_power_of_2
+from ..triton_support import DirectLaunches, alignment_bits, data_pointers, device_of_launch, next_power_of_2
 from .triton_kernels import msda_backward_kernel, msda_forward_kernel, msda_grad_value_segments_kernel
 
 # Entries of the deterministic grad_value reduction handled per step of its loop.
@@ -40,19 +40,33 @@ class LaunchConfig:
     num_stages: int = 1
 
 
-@functools.lru_cache(maxsize=None)
-def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optional[int] = None) -> LaunchConfig:
-    """Blocks of about 256 elements ([8 queries x 32 channels] at head_dim 32), one warp, with overrides for tuning.
+# Bytes of a corner row that one thread of the forward loads at once (one 16-byte vector load per row).
+_FORWARD_BYTES_PER_THREAD_ROW = 16
+_WARP_THREADS = 32
 
-    Small programs win (docs/kernels.md, notes 2, 8 and 11): many resident programs keep more independent gathers
-    and atomics in flight than a large tile per program does. On an H100, 8 x 32 with one warp was the fastest
-    configuration of the sweep in both directions, plain and fused, fp32 and bf16 (the backward 4-8% faster than
-    16 x 32 with 2 warps); 128 x 32 tiles were 1.2-2x slower. Register caps (``maxnreg`` 64-96) did not help.
-    The blocks depend on head_dim only, never on the query count: a new image size must not compile a new variant.
+
+@functools.lru_cache(maxsize=None)
+def choose_config(head_dim: int, block_q: Optional[int] = None, num_warps: Optional[int] = None,
+                  forward_element_size: Optional[int] = None) -> LaunchConfig:
+    """Blocks of about 256 elements ([8 queries x 32 channels] at head_dim 32), one warp, with overrides for tuning;
+    the forward (``forward_element_size``: value's bytes per element) takes fewer queries where a 256-element tile
+    would give each thread more than one 16-byte load per corner row: 4 x 32 in float32.
+
+    Small programs win (docs/kernels.md, notes 2, 8, 11 and 17): many resident programs keep more independent
+    gathers and atomics in flight than a large tile per program does. On an H100, 8 x 32 with one warp was the
+    fastest configuration of the sweep in both directions, plain and fused, fp32 and bf16 (the backward 4-8% faster
+    than 16 x 32 with 2 warps); 128 x 32 tiles were 1.2-2x slower. Register caps (``maxnreg`` 64-96) did not help.
+    The float32 forward then ran faster still with 4 x 32 (encoder 5-10%, decoder-sized calls 35%), where each
+    thread loads one 16-byte vector per row; in 16-bit 4 x 32 halves those loads to 8 bytes and was slower (note 6).
+    The blocks depend on head_dim and dtype only, never on the query count: a new image size must not compile a
+    new variant.
     """
     block_d = next_power_of_2(head_dim)
     if block_q is None:
         block_q = max(1, 256 // block_d)
+        if forward_element_size is not None:
+            one_load_per_row = _WARP_THREADS * _FORWARD_BYTES_PER_THREAD_ROW // (block_d * forward_element_size)
+            block_q = max(1, min(block_q, one_load_per_row))
     if num_warps is None:
         num_warps = max(1, min(8, block_q * block_d // 256))
     return LaunchConfig(block_q=block_q, block_d=block_d, num_warps=num_warps)
@@ -62,36 +76,68 @@ def _accumulator_dtype(value: torch.Tensor):
     return tl.float64 if value.dtype == torch.float64 else tl.float32
 
 
-def _index_dtype(value: torch.Tensor, samples: torch.Tensor, output: torch.Tensor):
+def _index_dtype(value_numel: int, samples_numel: int, output_numel: int):
     # The largest tensors a launch indexes: value (and grad_value), the output (or its gradient), and the
     # per-sample ones (locations; the deterministic backward's per-corner entries, twice as many).
-    largest = max(value.numel(), output.numel(), 2 * samples.numel())
-    return tl.int32 if largest <= _INT32_INDEX_MAX_NUMEL else tl.int64
-
-
-def _grad_value_buffer_dtype(value: torch.Tensor) -> torch.dtype:
-    return torch.float64 if value.dtype == torch.float64 else torch.float32
+    return tl.int32 if max(value_numel, output_numel, 2 * samples_numel) <= _INT32_INDEX_MAX_NUMEL else tl.int64
 
 
 def _level_tables(spatial_shapes: torch.Tensor, level_start_index: torch.Tensor, device: torch.device):
     return (spatial_shapes.to(device=device).contiguous(), level_start_index.to(device=device).contiguous())
 
 
-def _variant(device, config, tensors, pointers, num_heads, head_dim, sizes, constexprs):
-    """What selects the compiled variant of a launch (see :class:`DirectLaunches`): the tensors' dtypes and pointer
-    alignment, the specialised integers (heads, head_dim), whether the unspecialised ones (keys, queries) fit 32
-    bits, the constexprs and the launch options."""
-    return (device.index, config, tuple([t.dtype for t in tensors]), alignment_bits(pointers), num_heads,
-            head_dim, max(sizes) <= _INT32_MAX, constexprs)
+class _LaunchPlan(NamedTuple):
+    """What a launch derives from its inputs' shapes, dtypes and device: computed once per signature and kept, so
+    that a repeated call (every layer of every step) spends its host time on allocation and the launch alone."""
+
+    grid: Tuple[int, int, int]
+    scalars: tuple       # num_keys, num_queries, num_heads, head_dim, then the kernel's constexprs
+    variant: tuple       # what selects the compiled variant, but the pointers' alignment (see DirectLaunches)
+    device: torch.device
+    config: LaunchConfig
+    empty: bool          # nothing to launch (no query, or value is empty)
 
 
-def _launch(launches: DirectLaunches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs):
-    device = tensors[0].device
+# Distinct call signatures kept (a training run with random resizing meets a few hundred encoder sizes).
+_PLANS_KEPT = 1024
+_plans: Dict[tuple, _LaunchPlan] = {}
+
+
+def _plan(key: tuple, value: torch.Tensor, samples: torch.Tensor, output_numel: int, config: Optional[LaunchConfig],
+          constexprs_before_blocks: tuple, constexprs_after_blocks: tuple) -> _LaunchPlan:
+    """The plan of ``key``, made on its first call. The variant holds the key's dtypes and flags (which decide
+    every tensor's dtype), the specialised integers (heads, head_dim), whether the unspecialised ones (keys,
+    queries) fit 32 bits, the constexprs and the launch options."""
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    batch, num_keys, num_heads, head_dim = value.shape
+    _, num_queries, _, num_levels, num_points, _ = samples.shape
+    forward = key[0] == "forward"
+    config = config or choose_config(head_dim, forward_element_size=value.element_size() if forward else None)
+    index_dtype = _index_dtype(value.numel(), samples.numel(), output_numel)
+    accumulator = tl.float64 if value.dtype == torch.float64 else tl.float32
+    constexprs = (num_levels, num_points) + constexprs_before_blocks + (
+        config.block_q, config.block_d, next_power_of_2(num_levels * num_points), accumulator, index_dtype
+    ) + constexprs_after_blocks
+    grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
+    # The key without its sizes (torch.Size entries): a new image size must not make a new variant.
+    dtypes_and_flags = tuple([part for part in key[2:] if not isinstance(part, torch.Size)])
+    variant = (key[0], value.device.index, config, dtypes_and_flags, num_heads, head_dim,
+               max(num_keys, num_queries) <= _INT32_MAX, constexprs)
+    plan = _LaunchPlan(grid, (num_keys, num_queries, num_heads, head_dim) + constexprs, variant, value.device,
+                       config, value.numel() == 0 or num_queries == 0)
+    if len(_plans) >= _PLANS_KEPT:
+        del _plans[next(iter(_plans))]
+    _plans[key] = plan
+    return plan
+
+
+def _launch(launches: DirectLaunches, plan: _LaunchPlan, tensors: tuple) -> None:
     pointers = data_pointers(tensors)
-    launches.launch(grid, _variant(device, config, tensors, pointers, num_heads, head_dim, (num_keys, num_queries),
-                                   constexprs),
-                    device, tensors, pointers, (num_keys, num_queries, num_heads, head_dim) + constexprs,
-                    num_warps=config.num_warps, num_stages=config.num_stages)
+    with device_of_launch(plan.device):
+        launches.launch(plan.grid, (plan.variant, alignment_bits(pointers)), plan.device, tensors, pointers,
+                        plan.scalars, num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
 
 
 def msda_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
@@ -114,21 +160,22 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
     value = value.contiguous()
     samples = samples.contiguous()
     sample_weights = sample_weights.contiguous()
-    batch, num_keys, num_heads, head_dim = value.shape
-    _, num_queries, _, num_levels, num_points, _ = samples.shape
-    output = torch.empty((batch, num_queries, num_heads * head_dim), device=value.device, dtype=value.dtype)
-    if output.numel() == 0:
-        return output.zero_()
-    shapes, starts = _level_tables(spatial_shapes, level_start_index, value.device)
     fused = reference_points is not None
-    config = config or choose_config(head_dim)
-    grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
-    tensors = (value, shapes, starts, samples, sample_weights, reference_points if fused else samples, output)
-    constexprs = (num_levels, num_points, reference_points.shape[-1] if fused else 2, fused, config.block_q,
-                  config.block_d, next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
-                  _index_dtype(value, samples, output))
-    with launch_device(value):
-        _launch(_forward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
+    key = ("forward", config, value.shape, value.dtype, value.device, samples.shape, samples.dtype,
+           sample_weights.dtype, reference_points.shape if fused else None,
+           reference_points.dtype if fused else None, spatial_shapes.dtype, level_start_index.dtype)
+    plan = _plans.get(key)
+    if plan is None:
+        output_numel = samples.shape[0] * samples.shape[1] * value.shape[2] * value.shape[3]
+        plan = _plan(key, value, samples, output_numel, config,
+                     (reference_points.shape[-1] if fused else 2, fused), ())
+    batch, num_keys, num_heads, head_dim = value.shape
+    output = value.new_empty((batch, samples.shape[1], num_heads * head_dim))
+    if plan.empty:
+        return output.zero_()
+    shapes, starts = _level_tables(spatial_shapes, level_start_index, plan.device)
+    _launch(_forward_launches, plan, (value, shapes, starts, samples, sample_weights,
+                                      reference_points if fused else samples, output))
     return output
 
 
@@ -169,58 +216,55 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     samples = samples.contiguous()
     sample_weights = sample_weights.contiguous()
     grad_output = grad_output.contiguous()
+    fused = reference_points is not None
+    reference_grad = fused and reference_grad
+    key = ("backward", config, value.shape, value.dtype, value.device, samples.shape, samples.dtype,
+           sample_weights.dtype, reference_points.shape if fused else None,
+           reference_points.dtype if fused else None, spatial_shapes.dtype, level_start_index.dtype,
+           grad_output.dtype, deterministic, reference_grad)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(key, value, samples, grad_output.numel(), config,
+                     (reference_points.shape[-1] if fused else 2, fused, deterministic), (reference_grad,))
+    buffer_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
+    grad_samples = torch.empty_like(samples)
+    grad_sample_weights = torch.empty_like(sample_weights)
+    if plan.empty:
+        grad_reference = torch.zeros_like(reference_points) if reference_grad else None
+        return torch.zeros_like(value), grad_samples.zero_(), grad_sample_weights.zero_(), grad_reference
+
     batch, num_keys, num_heads, head_dim = value.shape
     _, num_queries, _, num_levels, num_points, _ = samples.shape
-    fused = reference_points is not None
-    ref_dim = reference_points.shape[-1] if fused else 2
-    reference_grad = fused and reference_grad
-
-    grad_samples = torch.empty_like(samples)
-    buffer_dtype = _grad_value_buffer_dtype(value)
-    grad_sample_weights = torch.empty_like(sample_weights)
-    grad_ref_per_head = (torch.empty((batch, num_queries, num_heads, num_levels, ref_dim), device=value.device,
-                                     dtype=buffer_dtype) if reference_grad else None)
-    if grad_output.numel() == 0 or value.numel() == 0:
-        grad_reference = torch.zeros_like(reference_points) if reference_grad else None
-        return torch.zeros_like(value), grad_samples.zero_(), torch.zeros_like(sample_weights), grad_reference
-
+    unused = grad_samples  # stands for pointer arguments a variant does not use
+    grad_ref_per_head = weight_scratch = offset_scratch = entry_keys = entry_coefs = unused
+    if reference_grad:
+        grad_ref_per_head = value.new_empty((batch, num_queries, num_heads, num_levels, reference_points.shape[-1]),
+                                            dtype=buffer_dtype)
     if fused:
         # Per-sample gradients, queries fastest, until the kernel's softmax backward (see the kernel). The weights'
         # stay in float32 (or float64): that subtraction cancels.
-        weight_scratch = torch.empty((batch, num_heads, num_levels * num_points, num_queries), device=value.device,
-                                     dtype=buffer_dtype)
-        offset_scratch = torch.empty((batch, num_heads, num_levels * num_points, 2, num_queries),
-                                     device=value.device, dtype=samples.dtype)
-
-    num_entries = batch * num_queries * num_heads * num_levels * num_points * 4
+        weight_scratch = value.new_empty((batch, num_heads, num_levels * num_points, num_queries), dtype=buffer_dtype)
+        offset_scratch = samples.new_empty((batch, num_heads, num_levels * num_points, 2, num_queries))
     if deterministic:
-        grad_value_accum = None
-        entry_keys = torch.empty(num_entries, device=value.device, dtype=torch.int64)
-        entry_coefs = torch.empty(num_entries, device=value.device, dtype=buffer_dtype)
+        num_entries = batch * num_queries * num_heads * num_levels * num_points * 4
+        grad_value_accum = unused
+        entry_keys = value.new_empty(num_entries, dtype=torch.int64)
+        entry_coefs = value.new_empty(num_entries, dtype=buffer_dtype)
     else:
         # Atomics accumulate into float32 (or float64) whatever value's dtype; written in place when they match.
-        grad_value_accum = torch.zeros(value.shape, device=value.device, dtype=buffer_dtype)
-        entry_keys = entry_coefs = None
+        grad_value_accum = value.new_zeros(value.shape, dtype=buffer_dtype)
 
-    shapes, starts = _level_tables(spatial_shapes, level_start_index, value.device)
-    config = config or choose_config(head_dim)
-    grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
-    unused = grad_samples  # stands for pointer arguments a variant does not use
+    shapes, starts = _level_tables(spatial_shapes, level_start_index, plan.device)
     tensors = (grad_output, value, shapes, starts, samples, sample_weights, reference_points if fused else samples,
-               grad_value_accum if grad_value_accum is not None else unused, grad_samples, grad_sample_weights,
-               grad_ref_per_head if reference_grad else unused, entry_keys if deterministic else unused,
-               entry_coefs if deterministic else unused, weight_scratch if fused else unused,
-               offset_scratch if fused else unused)
-    constexprs = (num_levels, num_points, ref_dim, fused, deterministic, config.block_q, config.block_d,
-                  next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
-                  _index_dtype(value, samples, grad_output), reference_grad)
-    with launch_device(value):
-        _launch(_backward_launches, grid, config, tensors, num_keys, num_queries, num_heads, head_dim, constexprs)
-        if deterministic:
-            grad_value = _reduce_grad_value_segments(grad_output, entry_keys, entry_coefs, value, config.block_d,
-                                                     num_levels * num_points * 4)
-        else:
-            grad_value = grad_value_accum.to(value.dtype)
+               grad_value_accum, grad_samples, grad_sample_weights, grad_ref_per_head, entry_keys, entry_coefs,
+               weight_scratch, offset_scratch)
+    _launch(_backward_launches, plan, tensors)
+    if deterministic:
+        with device_of_launch(plan.device):
+            grad_value = _reduce_grad_value_segments(grad_output, entry_keys, entry_coefs, value,
+                                                     plan.config.block_d, num_levels * num_points * 4)
+    else:
+        grad_value = grad_value_accum if grad_value_accum.dtype == value.dtype else grad_value_accum.to(value.dtype)
     grad_reference = grad_ref_per_head.sum(2).to(reference_points.dtype) if reference_grad else None
     return grad_value, grad_samples, grad_sample_weights, grad_reference
 
