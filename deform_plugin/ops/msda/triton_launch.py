@@ -103,22 +103,20 @@ _PLANS_KEPT = 1024
 _plans: Dict[tuple, _LaunchPlan] = {}
 
 
-def _plan(key: tuple, value: torch.Tensor, samples: torch.Tensor, output_numel: int, config: Optional[LaunchConfig],
-          constexprs_before_blocks: tuple, constexprs_after_blocks: tuple) -> _LaunchPlan:
-    """The plan of ``key``, made on its first call. The variant holds the key's dtypes and flags (which decide
-    every tensor's dtype), the specialised integers (heads, head_dim), whether the unspecialised ones (keys,
-    queries) fit 32 bits, the constexprs and the launch options."""
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
+def _make_plan(key: tuple, value: torch.Tensor, samples: torch.Tensor, output_numel: int,
+               config: Optional[LaunchConfig], constexprs_before_blocks: tuple,
+               constexprs_after_blocks: tuple) -> _LaunchPlan:
+    """The plan of ``key`` at its first call, kept for the next. The variant holds the key's dtypes and flags
+    (which decide every tensor's dtype), the specialised integers (heads, head_dim), whether the unspecialised ones
+    (keys, queries) fit 32 bits, the constexprs and the launch options."""
     batch, num_keys, num_heads, head_dim = value.shape
     _, num_queries, _, num_levels, num_points, _ = samples.shape
     forward = key[0] == "forward"
     config = config or choose_config(head_dim, forward_element_size=value.element_size() if forward else None)
     index_dtype = _index_dtype(value.numel(), samples.numel(), output_numel)
-    accumulator = tl.float64 if value.dtype == torch.float64 else tl.float32
     constexprs = (num_levels, num_points) + constexprs_before_blocks + (
-        config.block_q, config.block_d, next_power_of_2(num_levels * num_points), accumulator, index_dtype
+        config.block_q, config.block_d, next_power_of_2(num_levels * num_points), _accumulator_dtype(value),
+        index_dtype
     ) + constexprs_after_blocks
     grid = (-(-num_queries // config.block_q), num_heads, batch)  # triton.cdiv is a slow host call
     # The key without its sizes (torch.Size entries): a new image size must not make a new variant.
@@ -167,8 +165,8 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
     plan = _plans.get(key)
     if plan is None:
         output_numel = samples.shape[0] * samples.shape[1] * value.shape[2] * value.shape[3]
-        plan = _plan(key, value, samples, output_numel, config,
-                     (reference_points.shape[-1] if fused else 2, fused), ())
+        plan = _make_plan(key, value, samples, output_numel, config,
+                          (reference_points.shape[-1] if fused else 2, fused), ())
     batch, num_keys, num_heads, head_dim = value.shape
     output = value.new_empty((batch, samples.shape[1], num_heads * head_dim))
     if plan.empty:
@@ -224,8 +222,8 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
            grad_output.dtype, deterministic, reference_grad)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plan(key, value, samples, grad_output.numel(), config,
-                     (reference_points.shape[-1] if fused else 2, fused, deterministic), (reference_grad,))
+        plan = _make_plan(key, value, samples, grad_output.numel(), config,
+                          (reference_points.shape[-1] if fused else 2, fused, deterministic), (reference_grad,))
     buffer_dtype = torch.float64 if value.dtype == torch.float64 else torch.float32
     grad_samples = torch.empty_like(samples)
     grad_sample_weights = torch.empty_like(sample_weights)

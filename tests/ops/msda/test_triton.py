@@ -440,7 +440,7 @@ def test_forward_blocks_give_each_thread_one_16_byte_load_per_row():
 
 @pytest.mark.parametrize("dtype_name, block_q", [("fp32", 4), ("bf16", 8)])
 def test_launch_plans_follow_the_chosen_blocks(dtype_name, block_q):
-    """A call's kept launch plan holds the forward's and the backward's grid for its sizes."""
+    """A call's kept launch plan (default blocks: config None) holds the forward's and the backward's grid."""
     from deform_plugin.ops.msda import triton_launch
 
     value, shapes, starts, locations, weights = make_case([(6, 7), (3, 4)], 2, 13, 2, 32, 2, DTYPES[dtype_name],
@@ -449,7 +449,7 @@ def test_launch_plans_follow_the_chosen_blocks(dtype_name, block_q):
     triton_launch.msda_forward(value, shapes, starts, locations, weights)
     triton_launch.msda_backward(grad_output, value, shapes, starts, locations, weights)
     grids = {key[0]: plan.grid for key, plan in triton_launch._plans.items()
-             if key[2] == value.shape and key[3] == value.dtype and key[5] == locations.shape}
+             if key[1] is None and key[2] == value.shape and key[3] == value.dtype and key[5] == locations.shape}
     assert grids == {"forward": (-(-13 // block_q), 2, 2), "backward": (2, 2, 2)}
 
 
