@@ -13,7 +13,7 @@ setup(
     description="Fused Triton multi-scale deformable attention for MMDetection 3.x (drop-in MMEngine plugin)",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["deform_plugin", "deform_plugin.*", "benchmarks", "benchmarks.*"]),
+    packages=find_packages(include=["deform_plugin", "deform_plugin.*"]),
     python_requires=">=3.9",
     # Loose here; requirements/runtime.txt pins the tested versions. mmcv is not listed: either mmcv with its
     # compiled ops or mmcv-lite (>=2.0.0rc4,<2.2.0) serves, and pip cannot express that choice.

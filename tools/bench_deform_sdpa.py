@@ -12,11 +12,11 @@ Usage:
 
 Writes ``DIR/bench_deform_sdpa.csv`` (rows appended) and ``DIR/latency_<dtype>.png``, ``DIR/memory_<dtype>.png``.
 Peak memory is the largest allocation above what the inputs already hold, during one call. The code lives in
-``benchmarks.ops.deform_sdpa``.
+``deform_plugin.benchmarks.ops.deform_sdpa``.
 """
 import sys
 
-from benchmarks.ops.deform_sdpa import main
+from deform_plugin.benchmarks.ops.deform_sdpa import main
 
 if __name__ == "__main__":
     sys.exit(main(description=__doc__))

@@ -3,11 +3,11 @@
 
     python tools/bench_matching.py [--cases dino deformable-detr] [--gts 7 13] [--out DIR]
 
-Run from the repository root. See :mod:`benchmarks.detector.matching_pass`.
+Run from the repository root. See :mod:`deform_plugin.benchmarks.detector.matching_pass`.
 """
 import sys
 
-from benchmarks.detector.matching_pass import main
+from deform_plugin.benchmarks.detector.matching_pass import main
 
 if __name__ == "__main__":
     sys.exit(main(description=__doc__))

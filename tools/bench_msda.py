@@ -12,7 +12,7 @@ distribution it
      bandwidth) and a gather/scatter floor: plain Triton kernels that gather (and atomically scatter) exactly the
      corner rows this case touches, with no interpolation arithmetic.
 It prints a machine line and a table with a speedup column, appends rows to a CSV and draws a PNG. The code lives in
-``benchmarks.ops.msda`` and ``benchmarks.ops.floors``.
+``deform_plugin.benchmarks.ops.msda`` and ``deform_plugin.benchmarks.ops.floors``.
 
 Usage (on a CUDA machine):
     python tools/bench_msda.py                       # every case, fp32/fp16/bf16, uniform + realistic
@@ -21,7 +21,7 @@ Usage (on a CUDA machine):
 """
 import sys
 
-from benchmarks.ops.msda import main
+from deform_plugin.benchmarks.ops.msda import main
 
 if __name__ == "__main__":
     sys.exit(main(description=__doc__))

@@ -32,11 +32,11 @@ optimizer step, zero_grad) on one fixed synthetic batch, bracketed by device syn
 the model cannot take is refused with the reason. ``--variable-sizes N`` adds N steps on batches of new
 random-resize sizes (the DETR pipelines' distribution), then the same batches again: the cost of a new input size.
 ``--profile`` adds a torch.profiler breakdown per row (see
-``tools/profile_step.py``). The code lives in the ``benchmarks.detector`` package.
+``tools/profile_step.py``). The code lives in the ``deform_plugin.benchmarks.detector`` package.
 """
 import sys
 
-from benchmarks.detector.run import main
+from deform_plugin.benchmarks.detector.run import main
 
 if __name__ == "__main__":
     sys.exit(main(description=__doc__))

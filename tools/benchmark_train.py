@@ -12,11 +12,12 @@ reading a synthetic COCO-like set; a hook times windows of iterations with devic
 Rows are ``SIDE:MODE`` (``stock`` | ``ours``, ``fp32`` | ``fp16`` | ``bf16``); the first is the speedup baseline.
 Stock rows need mmcv with its compiled ops on a GPU. The table (steady-state img/s over the second half of the
 run, whole-run and first-20 img/s, our kernel compile count, peak memory, speedup) is printed and written with
-JSON, CSV and the rows' logs and overlay configs into ``--out-dir``. See ``benchmarks/detector/user_path.py``.
+JSON, CSV and the rows' logs and overlay configs into ``--out-dir``. See
+:mod:`deform_plugin.benchmarks.detector.user_path`.
 """
 import sys
 
-from benchmarks.detector.user_path import main
+from deform_plugin.benchmarks.detector.user_path import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -4,11 +4,12 @@
     python tools/kernel_counters.py --out DIR [--targets sdpa:fp32 msda:encoder_b2:uniform:fp32
                                                msda-fused:encoder_b2:bf16] [--ncu PATH]
 
-Run from the repository root on a GPU host whose ncu can read the counters. See :mod:`benchmarks.ops.counters`.
+Run from the repository root on a GPU host whose ncu can read the counters. See
+:mod:`deform_plugin.benchmarks.ops.counters`.
 """
 import sys
 
-from benchmarks.ops.counters import main
+from deform_plugin.benchmarks.ops.counters import main
 
 if __name__ == "__main__":
     sys.exit(main(description=__doc__))

@@ -21,7 +21,7 @@ Outputs: NAME.json, NAME.csv, NAME.md (NAME defaults to 'profile'), a stacked-ba
 """
 import sys
 
-from benchmarks.detector.run import main
+from deform_plugin.benchmarks.detector.run import main
 
 if __name__ == "__main__":
     sys.exit(main(description=__doc__, profile_only=True, name="profile"))

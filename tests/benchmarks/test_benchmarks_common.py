@@ -1,4 +1,4 @@
-"""benchmarks.common: the machine line, timing statistics, memory, the error metric and the writers."""
+"""deform_plugin.benchmarks.common: the machine line, timing statistics, memory, the error metric and the writers."""
 import csv
 import importlib.util
 import math
@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from benchmarks import common
+from deform_plugin.benchmarks import common
 
 INFO = {"device": "NVIDIA H100 80GB HBM3 (132 SMs)", "cuda": "12.8", "torch": "2.13.0", "triton": "3.6.0",
         "mmcv": "2.1.0", "mmcv_compiled_ops": False, "mmdet": "3.3.0", "mmengine": "0.10.7", "python": "3.11.7",

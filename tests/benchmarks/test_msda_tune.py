@@ -1,10 +1,10 @@
-"""benchmarks.ops.msda's launcher sweep: it times the plain and the fused launchers under each configuration (run
-here on a tiny case through Triton's interpreter: the plumbing, never a number to report)."""
+"""deform_plugin.benchmarks.ops.msda's launcher sweep: it times the plain and the fused launchers under each
+configuration (run here on a tiny case through Triton's interpreter: the plumbing, never a number to report)."""
 import pytest
 import torch
 
 pytest.importorskip("triton")
-from benchmarks.ops import msda  # noqa: E402
+from deform_plugin.benchmarks.ops import msda  # noqa: E402
 
 
 @pytest.mark.parametrize("queries", [None, 5], ids=["encoder-like", "decoder-boxes"])

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from benchmarks.detector import matching_pass
+from deform_plugin.benchmarks.detector import matching_pass
 
 
 def test_it_times_every_case_and_writes_its_table(tmp_path, capsys):

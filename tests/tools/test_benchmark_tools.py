@@ -40,10 +40,16 @@ SMALL_RUN = ["--device", "cpu", "--shape", "64", "64", "--batch-size", "2", "--n
              "--no-progress"]
 
 
+def _tool_environment(**variables):
+    """The tools import deform_plugin from this checkout, whichever copy the environment has installed."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH")))),
+                **variables)
+
+
 def _run_tool(script, args, expect_rc=0):
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
     completed = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", script), *args], cwd=REPO_ROOT,
-                               env=env, capture_output=True, text=True, timeout=300)
+                               env=_tool_environment(PYTHONWARNINGS="ignore"), capture_output=True, text=True,
+                               timeout=300)
     assert completed.returncode == expect_rc, completed.stdout[-3000:] + completed.stderr[-3000:]
     return completed
 
@@ -186,7 +192,7 @@ def test_bench_msda_one_case_on_cuda(tmp_path):
 def test_bench_msda_checks_the_deterministic_backward_against_float64(monkeypatch):
     # The deterministic row's errors come from the sort-and-segment backward, the other row's from the atomics
     # (both run here under the Triton interpreter); the setting is restored after each block.
-    from benchmarks.ops import msda as bench
+    from deform_plugin.benchmarks.ops import msda as bench
     from deform_plugin.ops.msda import triton_launch
     backwards = []
     launch = triton_launch.msda_backward
@@ -209,8 +215,8 @@ def test_bench_msda_checks_the_deterministic_backward_against_float64(monkeypatc
 
 def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
     completed = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), micro_config,
-                                "--rows", "triton:fp8", "--device", "cpu"], cwd=REPO_ROOT, capture_output=True,
-                               text=True, timeout=120)
+                                "--rows", "triton:fp8", "--device", "cpu"], cwd=REPO_ROOT, env=_tool_environment(),
+                               capture_output=True, text=True, timeout=120)
     assert completed.returncode == 2
     assert "mode 'fp8' is not one of fp32, fp16, bf16" in completed.stderr
 
@@ -218,8 +224,8 @@ def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
 def test_msda_host_split_times_every_piece_of_the_plain_op():
     # On the CPU only our column runs (the Triton kernels under the interpreter; mmcv's is a CUDA op): each piece is
     # timed, and the table says which column did not run.
-    from benchmarks.ops import msda_entry
-    from benchmarks.ops.msda import Case
+    from deform_plugin.benchmarks.ops import msda_entry
+    from deform_plugin.benchmarks.ops.msda import Case
     case = Case("tiny", levels=((4, 6), (2, 3)), batch=2, queries=5, heads=2, head_dim=8, points=2)
     rows = msda_entry.host_split(case, torch.float32, "uniform", device="cpu", calls=1, repeats=1, warmup=0)
     assert [r["piece"] for r in rows] == list(msda_entry.HOST_SPLIT_PIECES)
@@ -233,7 +239,7 @@ def test_msda_host_split_times_every_piece_of_the_plain_op():
 @pytest.mark.parametrize("option, value", [("--cases", "encoder_b2,encoder_b3"), ("--dtypes", "fp8"),
                                            ("--dists", "gaussian")])
 def test_msda_entry_benchmark_names_an_unknown_case_dtype_or_dist(option, value, capsys):
-    from benchmarks.ops import msda_entry
+    from deform_plugin.benchmarks.ops import msda_entry
     with pytest.raises(SystemExit) as stopped:
         msda_entry.main([option, value, "--host-split"])
     assert stopped.value.code == 2

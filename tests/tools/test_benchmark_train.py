@@ -1,4 +1,4 @@
-"""The user-path training benchmark (tools/benchmark_train.py, benchmarks/detector/): the synthetic COCO-like
+"""The user-path training benchmark (tools/benchmark_train.py, deform_plugin/benchmarks/detector/): the synthetic COCO-like
 source, the overlay configs of stock and our rows, the timing hook's windows, and one tiny CPU run of both rows.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.detector import coco_source, train_overlay, user_path
-from benchmarks.detector.iteration_timer import IterationTimerHook
+from deform_plugin.benchmarks.detector import coco_source, train_overlay, user_path
+from deform_plugin.benchmarks.detector.iteration_timer import IterationTimerHook
+from deform_plugin.benchmarks.stock_process import stock_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST_DDETR = REPO_ROOT / "configs" / "fast" / "deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py"
@@ -172,7 +173,7 @@ def test_panoptic_and_non_coco_configs_are_refused():
 
 def test_row_commands_use_each_sides_script(tmp_path):
     stock = user_path.row_command(user_path.parse_row("stock:bf16"), tmp_path / "o.py", tmp_path / "w")
-    assert stock[1:3] == ["-m", user_path.STOCK_LAUNCHER]
+    assert stock[1:3] == stock_command(user_path.STOCK_TRAIN_MODULE)
     assert stock[-3:] == ["--amp", "--cfg-options", "optim_wrapper.dtype=bfloat16"]
     ours = user_path.row_command(user_path.parse_row("ours:fp16"), tmp_path / "o.py", tmp_path / "w")
     assert ours[1] == str(REPO_ROOT / "tools" / "train.py") and ours[-2:] == ["--amp-dtype", "float16"]
@@ -335,7 +336,7 @@ def test_timer_counts_a_split_detectors_shapes_once_and_all_of_its_capture_time(
 
 
 def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
-    from benchmarks.detector.train_report import iteration_split, replay_median_ms, split_table
+    from deform_plugin.benchmarks.detector.train_report import iteration_split, replay_median_ms, split_table
     region = SimpleNamespace(captured={}, capture_seconds=0.0, eager_calls=0, replays=0, eager_reasons={},
                              first_call_captures=0, first_call_capture_failures={}, capture_phase_seconds={})
     detector = torch.nn.Linear(2, 2)
@@ -423,7 +424,7 @@ def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
     assert ours[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=2"]
     assert ours[-2:] == ["--launcher", "pytorch"] and "--amp-dtype" in ours
     stock = user_path.row_command(user_path.parse_row("stock:fp32"), tmp_path / "o.py", tmp_path / "w", gpus=2)
-    assert stock[5:7] == ["-m", user_path.STOCK_LAUNCHER] and stock[-2:] == ["--launcher", "pytorch"]
+    assert stock[5:7] == stock_command(user_path.STOCK_TRAIN_MODULE) and stock[-2:] == ["--launcher", "pytorch"]
     bound = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2,
                                   numa_binding="node")
     assert bound[:6] == ours[:5] + ["--numa-binding=node"] and bound[6:] == ours[5:]
@@ -433,7 +434,7 @@ def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
 
 
 def test_the_csv_appends_rows_and_sets_a_file_of_other_columns_aside(tmp_path):
-    from benchmarks.detector import train_report
+    from deform_plugin.benchmarks.detector import train_report
     windows = dict(first=(1, 1), all=(1, 3), steady=(2, 3))
     row = train_report.row_metrics(dict(config="c.py", row="ours:fp32", status="ok"), windows)
     row.update(steady_img_s=1.5, batch_shapes=4)
@@ -453,7 +454,7 @@ def test_the_csv_appends_rows_and_sets_a_file_of_other_columns_aside(tmp_path):
 
 
 def test_the_table_shows_reserved_memory_and_signatures_that_ran_eagerly():
-    from benchmarks.detector import train_report
+    from deform_plugin.benchmarks.detector import train_report
     windows = dict(first=(1, 1), all=(1, 3), steady=(2, 3))
     timing = dict(windows=[dict(first=2, last=3, img_per_s=4.0, ms_per_iter=500.0)], peak_allocated_mib=9681.4,
                   peak_reserved_mib=61234.0, graphed_training=dict(captures=9, capture_seconds=1.62, eager_calls=30,
@@ -504,7 +505,7 @@ def test_a_bad_profile_window_is_refused_with_its_text(text):
 def test_the_step_profiler_profiles_only_its_iterations(tmp_path):
     import gzip
 
-    from benchmarks.detector.step_profiler import StepProfilerHook
+    from deform_plugin.benchmarks.detector.step_profiler import StepProfilerHook
     with pytest.raises(ValueError, match="first=0"):
         StepProfilerHook(first=0)
     hook = StepProfilerHook(first=3, steps=2, out_dir=str(tmp_path / "p"))
@@ -525,7 +526,7 @@ def test_the_step_profiler_profiles_only_its_iterations(tmp_path):
 
 
 def test_the_ramp_up_column_is_the_first_100_iterations_of_a_longer_run():
-    from benchmarks.detector import train_report
+    from deform_plugin.benchmarks.detector import train_report
     windows = dict(first=(1, 20), first_100=(1, 100), all=(1, 250), steady=(151, 250))
     timing = dict(windows=[dict(first=1, last=100, img_per_s=15.0, ms_per_iter=133.3),
                            dict(first=1, last=250, img_per_s=24.0, ms_per_iter=83.3),

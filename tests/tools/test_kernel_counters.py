@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ops import counters
+from deform_plugin.benchmarks.ops import counters
 
 RAW_CSV = '''==PROF== Connected to process 1714
 "ID","Kernel Name","Block Size","dram__throughput.avg.pct_of_peak_sustained_elapsed","gpu__time_duration.sum",\
@@ -58,7 +58,7 @@ def test_command_lines_profile_the_targets_kernels(tmp_path):
     assert command[command.index("-k") + 1] == "regex:msda_"
     metrics = command[command.index("--metrics") + 1].split(",")
     assert set(metrics) == {metric for metric, _, _ in counters.COUNTERS.values()}
-    assert command[-4:] == ["-m", "benchmarks.ops.counters", "--launch", "msda-fused:encoder_b2:bf16"]
+    assert command[-4:] == ["-m", "deform_plugin.benchmarks.ops.counters", "--launch", "msda-fused:encoder_b2:bf16"]
     assert counters.profile_command("ncu", "sdpa:bf16", Path("x"))[6] == "regex:deform_sdpa"
     exported = counters.export_command("/opt/ncu", tmp_path / "r.ncu-rep")
     assert exported[:3] == ["/opt/ncu", "-i", str(tmp_path / "r.ncu-rep")] and "raw" in exported

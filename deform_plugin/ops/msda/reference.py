@@ -18,7 +18,7 @@ one (point, corner) of every sample per ``index_select`` (``index_add_`` for ``g
 output and the gradients, the op holds a copy of ``value`` in the compute dtype (plus one zero row that corners
 outside the map read), two ``(B, Q, H, D)`` buffers and the corner tables of one chunk, whatever the number of levels
 and points. Autograd through per-corner gathers kept 4 * L gathered ``(B*H, Q*P, D)`` tensors instead; mmcv's
-``grid_sample`` path keeps about three ``(B*H, D, Q, L*P)`` tensors (``benchmarks/ops/reference_memory.py``).
+``grid_sample`` path keeps about three ``(B*H, D, Q, L*P)`` tensors (``deform_plugin.benchmarks.ops.reference_memory``).
 """
 from __future__ import annotations
 

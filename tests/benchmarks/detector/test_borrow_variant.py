@@ -1,4 +1,4 @@
-"""benchmarks/detector/borrow_variant.py: the A/B config of ShapeBucketsHook's borrowed shapes."""
+"""deform_plugin/benchmarks/detector/borrow_variant.py: the A/B config of ShapeBucketsHook's borrowed shapes."""
 import os
 
 import pytest
@@ -11,7 +11,7 @@ FAST_DDETR = os.path.join(REPO_ROOT, "configs", "fast",
 def test_the_variant_changes_only_the_borrowing_settings(tmp_path):
     from mmengine.config import Config
 
-    from benchmarks.detector.borrow_variant import borrow_variant
+    from deform_plugin.benchmarks.detector.borrow_variant import borrow_variant
     path = tmp_path / "ddetr_no_borrowing.py"
     path.write_text(borrow_variant(FAST_DDETR, 1, 1.5))
     base = Config.fromfile(FAST_DDETR, import_custom_modules=False)
@@ -30,7 +30,7 @@ def test_the_variant_changes_only_the_borrowing_settings(tmp_path):
 
 
 def test_a_config_without_the_hook_is_refused_by_name():
-    from benchmarks.detector.borrow_variant import borrow_variant
+    from deform_plugin.benchmarks.detector.borrow_variant import borrow_variant
     mask2former = os.path.join(REPO_ROOT, "configs", "fast", "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py")
     with pytest.raises(ValueError, match="mask2former.*no ShapeBucketsHook"):
         borrow_variant(mask2former, 1, 1.5)

@@ -1,10 +1,12 @@
-"""benchmarks.detector.configs: the synthetic image size a config runs at, and the sizes its model refuses."""
+"""deform_plugin.benchmarks.detector.configs: the synthetic image size a config runs at, and the sizes its model
+refuses."""
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.detector.configs import FALLBACK_SHAPE, default_shape, fixed_size, read_config, shape_problems
+from deform_plugin.benchmarks.detector.configs import (FALLBACK_SHAPE, default_shape, fixed_size, read_config,
+                                                       shape_problems)
 
 ROOT = Path(__file__).resolve().parents[3]
 MASK2FORMER = ROOT / "configs" / "mask2former" / "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py"
@@ -83,7 +85,7 @@ def test_shape_problems_agree_with_mmdet_data_preprocessor(shape, refused):
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
 
-    from benchmarks.detector.synthetic import make_batch
+    from deform_plugin.benchmarks.detector.synthetic import make_batch
 
     register_all_modules()
     cfg = read_config(str(MASK2FORMER))
@@ -115,8 +117,8 @@ def test_shape_problems_without_fixed_padding():
     ("sdpa", None),
 ])
 def test_rows_take_the_training_buckets_from_the_config_or_their_fast_choice(fast, expected):
-    from benchmarks.detector.configs import load_config, resolve_fast_paths
-    from benchmarks.detector.rows import parse_row
+    from deform_plugin.benchmarks.detector.configs import load_config, resolve_fast_paths
+    from deform_plugin.benchmarks.detector.rows import parse_row
     cfg = load_config(str(ROOT / "configs" / "fast" / "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"), None,
                       plugin=True)
     switches = resolve_fast_paths(cfg, parse_row(f"pytorch:fp32:{fast}"))
@@ -125,7 +127,7 @@ def test_rows_take_the_training_buckets_from_the_config_or_their_fast_choice(fas
 
 
 def test_variable_sizes_follow_the_detr_random_resize():
-    from benchmarks.detector.synthetic import LONG_SIDE_MAX, SHORT_SIDES, random_resize_sizes
+    from deform_plugin.benchmarks.detector.synthetic import LONG_SIDE_MAX, SHORT_SIDES, random_resize_sizes
     sizes = random_resize_sizes(200, seed=0)
     assert sizes == random_resize_sizes(200, seed=0) and len(set(sizes)) > 20
     for height, width in sizes:
@@ -136,7 +138,7 @@ def test_variable_sizes_follow_the_detr_random_resize():
 def test_variable_size_timing_runs_every_batch_twice_and_counts_padded_shapes():
     import torch
 
-    from benchmarks.detector.timing import time_variable_sizes
+    from deform_plugin.benchmarks.detector.timing import time_variable_sizes
 
     class Model:
         data_preprocessor = SimpleNamespace(pad_size_divisor=128)
@@ -166,8 +168,8 @@ def test_runner_logging_defers_the_gradient_norm_as_the_fast_configs_runner_does
     import torch
     from mmengine.config import Config
 
-    from benchmarks.detector.configs import runner_logging
-    from benchmarks.detector.rows import Row
+    from deform_plugin.benchmarks.detector.configs import runner_logging
+    from deform_plugin.benchmarks.detector.rows import Row
     from deform_plugin.engine.sync_free import DEFERRED_SCALARS
     fast = Config(dict(default_hooks=dict(runtime_info=dict(type="DeferredRuntimeInfoHook"))))
     plain = Config(dict(default_hooks=dict(runtime_info=dict(type="RuntimeInfoHook"))))

@@ -1,4 +1,5 @@
-"""benchmarks.detector.profiling: the profiled step, the matching ranges and the analysis of profiler events."""
+"""deform_plugin.benchmarks.detector.profiling: the profiled step, the matching ranges and the analysis of profiler
+events."""
 import re
 from types import SimpleNamespace
 
@@ -7,8 +8,8 @@ import torch
 from torch import nn
 from torch.autograd import DeviceType
 
-from benchmarks.detector.profiling import (analyse_profile, matching_ranges, profiled_train_step,
-                                          unprofiled_busy_fraction)
+from deform_plugin.benchmarks.detector.profiling import (analyse_profile, matching_ranges, profiled_train_step,
+                                                         unprofiled_busy_fraction)
 
 MSDA = re.compile(r"ms_?deform|msda", re.I)
 CPU, GPU = DeviceType.CPU, DeviceType.CUDA

@@ -15,7 +15,6 @@ This module imports torch and the standard library only: it serves processes tha
 from __future__ import annotations
 
 import csv
-import importlib.util
 import math
 import os
 import platform
@@ -28,7 +27,8 @@ from typing import Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MMCV_LITE_SCRIPT = Path(__file__).resolve().parents[1] / "integration" / "mmcv_lite.py"
 QUANTILES = (0.5, 0.2, 0.8)
 
 
@@ -67,23 +67,10 @@ def package_version(name: str) -> Optional[str]:
         return None
 
 
-def mmcv_lite_script() -> Optional[str]:
-    """Path of ``deform_plugin/integration/mmcv_lite.py``, found without importing deform_plugin."""
-    spec = importlib.util.find_spec("deform_plugin")
-    if spec is None or not spec.origin:
-        return None
-    return os.path.join(os.path.dirname(spec.origin), "integration", "mmcv_lite.py")
-
-
-def mmcv_compiled_ops_available() -> Optional[bool]:
-    """deform_plugin's answer to "are mmcv's compiled ops present?", asked without importing deform_plugin.
-
-    None when deform_plugin cannot be found.
-    """
-    script = mmcv_lite_script()
-    if script is None or not os.path.exists(script):
-        return None
-    return bool(runpy.run_path(script)["compiled_mmcv_ops_available"]())
+def mmcv_compiled_ops_available() -> bool:
+    """deform_plugin's answer to "are mmcv's compiled ops present?", asked without importing deform_plugin (its
+    ``mmcv_lite.py`` is run by path: it imports the standard library and torch only)."""
+    return bool(runpy.run_path(str(MMCV_LITE_SCRIPT))["compiled_mmcv_ops_available"]())
 
 
 def device_name(device: torch.device) -> str:

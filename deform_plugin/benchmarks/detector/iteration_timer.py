@@ -17,9 +17,10 @@ training, what the iteration ran: ``eager`` (a new shape's warm-up), ``capture``
 the first iterations' time by those kinds: where a slow start goes.
 
 The result goes to a JSON file: ``out_file``, else ``$DEFORM_PLUGIN_TIMING_JSON``, else
-``<work_dir>/iteration_timing.json``. Usable from a config without deform_plugin::
+``<work_dir>/iteration_timing.json``. Usable from any config (a stock run imports it without deform_plugin through
+:mod:`deform_plugin.benchmarks.stock_process`)::
 
-    custom_imports = dict(imports=['benchmarks.detector.iteration_timer'], allow_failed_imports=False)
+    custom_imports = dict(imports=['deform_plugin.benchmarks.detector.iteration_timer'], allow_failed_imports=False)
     custom_hooks = [dict(type='IterationTimerHook', windows=[(1, 20), (1, 100), (51, 100)])]
 """
 from __future__ import annotations
@@ -37,9 +38,10 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.registry import HOOKS
 
+from deform_plugin.benchmarks.stock_process import plugin_imported
+
 TIMING_FILE_ENV = "DEFORM_PLUGIN_TIMING_JSON"
 DEFAULT_WINDOWS = ((1, 20), (1, 100), (51, 100))
-PLUGIN_MODULE = "deform_plugin"
 
 
 def validate_windows(windows: Sequence[Sequence[int]]) -> List[Tuple[int, int]]:
@@ -129,7 +131,7 @@ def _graphed_training_stats(model=None, regions=None) -> Optional[dict]:
 
 def compiled_variants_if_loaded() -> Optional[Dict[str, int]]:
     """Compiled Triton variants per deform_plugin kernel, or None where deform_plugin is not imported."""
-    if PLUGIN_MODULE not in sys.modules:
+    if not plugin_imported():
         return None
     from deform_plugin.ops.compile_stats import compiled_variants
     return compiled_variants()
@@ -199,7 +201,7 @@ class IterationTimerHook(Hook):
         self._regions: Optional[list] = None  # found at the first iteration's end (hooks set them up before)
 
     def _check_plugin(self, when: str) -> None:
-        loaded = PLUGIN_MODULE in sys.modules
+        loaded = plugin_imported()
         if self.expect_plugin is False and loaded:
             raise RuntimeError(f"deform_plugin was imported {when} in a run that must stay stock mmdet/mmcv")
         if self.expect_plugin is True and not loaded:
@@ -312,7 +314,7 @@ class IterationTimerHook(Hook):
             images_run=self._images,
             windows=self.window_results(),
             warmup_iters=self.warmup_iters,
-            deform_plugin_loaded=PLUGIN_MODULE in sys.modules,
+            deform_plugin_loaded=plugin_imported(),
             compiled_variants_after_warmup=after_warmup,
             compiled_variants_end=compiles_end,
             compiled_total=None if compiles_end is None else sum(compiles_end.values()),

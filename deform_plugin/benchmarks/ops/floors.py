@@ -4,7 +4,7 @@
 - the gather/scatter floor: plain Triton kernels that gather (and atomically scatter) exactly the value rows the
   case's bilinear corners touch, with no interpolation arithmetic. A kernel-only figure, labelled as such.
 
-``case`` arguments are :class:`benchmarks.ops.msda.Case` objects (levels, batch, queries, heads, head_dim, points).
+``case`` arguments are :class:`.msda.Case` objects (levels, batch, queries, heads, head_dim, points).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from benchmarks.common import do_bench
+from deform_plugin.benchmarks.common import do_bench
 
 
 def measure_copy_bandwidth() -> float:

@@ -21,7 +21,6 @@ from typing import Dict, Optional, Sequence
 from ..common import repo_commit
 from .coco_source import CocoSource
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "first_100_img_s", "first_100_over_steady",

@@ -2,11 +2,11 @@
 
 For each case, dtype and location distribution it
   1. checks the Triton op's output and gradients against the float64 reference on the same rounded inputs;
-  2. times forward, backward and forward+backward with :func:`benchmarks.common.do_bench` (median of L2-flushed
-     runs, 20th/80th percentiles kept in the CSV) for our Triton op and for the stock mmcv CUDA op when mmcv's
-     compiled ops are importable (its im2col_step = gcd(batch, 64)), else for our PyTorch reference;
+  2. times forward, backward and forward+backward with :func:`deform_plugin.benchmarks.common.do_bench` (median
+     of L2-flushed runs, 20th/80th percentiles kept in the CSV) for our Triton op and for the stock mmcv CUDA op
+     when mmcv's compiled ops are importable (its im2col_step = gcd(batch, 64)), else for our PyTorch reference;
   3. measures the peak extra memory of forward+backward;
-  4. compares with the floors of :mod:`benchmarks.ops.floors`, measured on the same card.
+  4. compares with the floors of :mod:`.floors`, measured on the same card.
 With ``--deterministic`` it does the same for the Triton op under ``torch.use_deterministic_algorithms(True)``,
 whose backward sums each ``grad_value`` row in a fixed order (sort and segment sum) instead of scattering with
 atomics: the two backward strategies side by side, with their errors against float64 (column ``gv err``).
@@ -24,8 +24,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.common import (do_bench, machine_info, machine_line, markdown_table, peak_extra_memory_mb,
-                               plot_lines, relative_error, write_csv)
+from deform_plugin.benchmarks.common import (do_bench, machine_info, machine_line, markdown_table, peak_extra_memory_mb,
+                                             plot_lines, relative_error, write_csv)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 ENCODER_LEVELS = ((100, 167), (50, 84), (25, 42), (13, 21))
@@ -298,7 +298,7 @@ def bench_case(case: Case, dist: str, dtype_names: List[str], baseline: str, ban
                deterministic: bool = False) -> Tuple[List[dict], bool]:
     """Rows of every implementation and dtype for one case and distribution, and whether every check passed
     (``deterministic``: also the Triton op under deterministic algorithms, with its own errors)."""
-    from benchmarks.ops.floors import dram_bytes, gather_scatter_floor
+    from deform_plugin.benchmarks.ops.floors import dram_bytes, gather_scatter_floor
 
     rows, ok, stock_fp32 = [], True, None
     for dtype_name in dtype_names:
@@ -414,7 +414,7 @@ def main(argv=None, description: Optional[str] = None) -> int:
         tune(case_names, dtype_names, dists, rep=args.rep)
         return 0
 
-    from benchmarks.ops.floors import measure_copy_bandwidth
+    from deform_plugin.benchmarks.ops.floors import measure_copy_bandwidth
     bandwidth = measure_copy_bandwidth()
     print(f"memory floor bandwidth: {bandwidth / 1e12:.2f} TB/s (2 GiB device-to-device copy, read + write)")
     print(f"stock mmcv op: {'available' if stock_mmcv_op() else 'not available (baseline: our reference)'}")

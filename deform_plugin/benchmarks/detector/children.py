@@ -2,8 +2,8 @@
 
 A stock row measures mmdet and mmcv as they are, so its process must not import deform_plugin (which rebinds
 mmdet's MSDA construction sites and, with mmcv-lite, installs a stand-in for mmcv's compiled ops). The parent runs
-``python -m benchmarks.detector.run CONFIG --rows stock:... --child-json OUT`` with the same settings and reads
-OUT back.
+``python deform_plugin/benchmarks/stock_process.py deform_plugin.benchmarks.detector.run CONFIG --rows stock:...
+--child-json OUT`` (:mod:`deform_plugin.benchmarks.stock_process`) with the same settings and reads OUT back.
 """
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import runpy
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import List, Tuple
 
 import torch
 
-from benchmarks.common import mmcv_lite_script
-from benchmarks.detector.rows import Row, row_result
+from deform_plugin.benchmarks.common import MMCV_LITE_SCRIPT
+from deform_plugin.benchmarks.detector.rows import Row, row_result
+from deform_plugin.benchmarks.stock_process import plugin_imported, stock_command
 
 
 def prepare_stock_process(device: torch.device) -> None:
@@ -30,13 +30,11 @@ def prepare_stock_process(device: torch.device) -> None:
     """
     if device.type != "cpu":
         return
-    script = mmcv_lite_script()
-    if script is not None:
-        runpy.run_path(script)["install_placeholder_ext"]()
+    runpy.run_path(str(MMCV_LITE_SCRIPT))["install_placeholder_ext"]()
 
 
 def check_still_stock() -> None:
-    if "deform_plugin" in sys.modules:
+    if plugin_imported():
         raise RuntimeError("a stock row imported deform_plugin: its numbers would not be stock mmdet/mmcv")
 
 
@@ -60,14 +58,11 @@ def child_passthrough_args(args, shape: Tuple[int, int]) -> List[str]:
 
 def run_row_in_child(config_path: str, row: Row, args, shape: Tuple[int, int]) -> dict:
     """Run one row in a fresh interpreter; a failed child gives a failed row."""
-    # The child imports this same benchmarks package, installed or not.
-    package_root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "row.json")
-        command = [sys.executable, "-m", "benchmarks.detector.run", config_path, "--rows", row.label,
-                   "--child-json", out] + child_passthrough_args(args, shape)
-        completed = subprocess.run(command, cwd=os.getcwd(), env=env)
+        command = [sys.executable, *stock_command("deform_plugin.benchmarks.detector.run"), config_path,
+                   "--rows", row.label, "--child-json", out] + child_passthrough_args(args, shape)
+        completed = subprocess.run(command, cwd=os.getcwd())
         if completed.returncode != 0 or not os.path.exists(out):
             return row_result(config_path, row, "failed", error=f"child process exited with {completed.returncode}")
         with open(out) as f:

@@ -6,9 +6,9 @@ import os
 from collections import defaultdict
 from typing import Dict, List, Optional
 
-from benchmarks.common import machine_line, markdown_table, pyplot, save_figure, write_csv
-from benchmarks.detector.configs import short_config_name
-from benchmarks.detector.profiling import PROFILE_COMPONENTS
+from deform_plugin.benchmarks.common import machine_line, markdown_table, pyplot, save_figure, write_csv
+from deform_plugin.benchmarks.detector.configs import short_config_name
+from deform_plugin.benchmarks.detector.profiling import PROFILE_COMPONENTS
 
 
 def _by_config(results: List[dict]) -> Dict[str, List[dict]]:

@@ -9,9 +9,10 @@ makes (the Runner, the config's pipeline, DDP where launched), after their warm-
 - ``trace_rank{R}.json.gz``: the Chrome trace of the same iterations (``chrome://tracing`` or Perfetto open it).
 
 The profiler adds host overhead to every operator it records: compare profiled rows with each other, and take
-speeds from unprofiled runs. Usable from a config without deform_plugin::
+speeds from unprofiled runs. Usable from any config (a stock run imports it without deform_plugin through
+:mod:`deform_plugin.benchmarks.stock_process`)::
 
-    custom_imports = dict(imports=['benchmarks.detector.step_profiler'], allow_failed_imports=False)
+    custom_imports = dict(imports=['deform_plugin.benchmarks.detector.step_profiler'], allow_failed_imports=False)
     custom_hooks = [dict(type='StepProfilerHook', first=151, steps=3, out_dir='profiles')]
 """
 from __future__ import annotations

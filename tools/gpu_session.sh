@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks and measurements of a release, on a fresh host without registry access (one or two GPUs).
 #
-#   bash benchmarks/gpu_session.sh PHASE [OUT]
+#   bash tools/gpu_session.sh wheelhouse          (here, with registry access: fills .whl, which the host needs)
+#   bash tools/gpu_session.sh PHASE [OUT]         (on the GPU host, from the repository root)
 #
 # PHASE:
+#   wheelhouse  not on the GPU host: the wheels (CPython 3.12, manylinux x86_64) of mmengine, mmdet, mmcv-lite and
+#             their small dependencies, and mmcv's source (for the stock baseline's build), into .whl (or OUT);
+#             the host has Python 3.12, torch, triton, numpy, scipy and opencv, and no way to download the rest.
 #   tests     mmcv's CUDA ops start building in the background (the stock baseline, into the system site); the GPU
 #             tests run meanwhile on mmcv-lite; then (after the tests, on a one-GPU host) the MSDA entry benchmark
 #             runs against the stock op. TEST_PATHS picks the test files, ENTRY_BENCH=0 skips the benchmark.
@@ -25,14 +29,41 @@
 #   sizes     training steps at new and at seen random-resize sizes (tools/benchmark.py --variable-sizes).
 #   memory    the FFN memory switches (relu_dropout_fusion, ffn_recompute) against the same fast step without them:
 #             peak memory and step time of Deformable-DETR and DINO at 800x1333 (tools/benchmark.py), stock beside.
-# It needs the wheelhouse of ../shared/gpu/make-wheelhouse.sh in .whl (run from the repository root). Results go
-# to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
+# Every phase but wheelhouse needs .whl, made by the wheelhouse phase and copied to the host with the tree. Results
+# go to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash benchmarks/gpu_session.sh tests|train|ops|scale|borrow|profile|build|sizes|memory [OUT]}
-out=${2:-${OUT:-bench_results/gpu}}
-mkdir -p "$out" && out=$(cd "$out" && pwd)
+phase=${1:?usage: bash tools/gpu_session.sh wheelhouse|tests|train|ops|scale|borrow|profile|build|sizes|memory [OUT]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
+
+make_wheelhouse() {  # DEST: everything install_wheels and build_mmcv read on the host
+  local dest=$1 platforms=() tmp
+  set -e
+  mkdir -p "$dest/src"
+  for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \
+      manylinux2014_x86_64 manylinux1_x86_64; do
+    platforms+=(--platform "$p")
+  done
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      "${platforms[@]}" -d "$dest" mmengine==0.10.7 mmdet==3.3.0 mmcv-lite==2.1.0 addict yapf platformdirs termcolor \
+      terminaltables pycocotools shapely
+  # mmcv's source distribution: preparing its metadata imports pkg_resources, which setuptools 82 removed, so a
+  # throwaway environment with an older setuptools fetches it.
+  tmp=$(mktemp -d)
+  python3 -m venv "$tmp/venv"
+  "$tmp/venv/bin/pip" install -q "setuptools<82" wheel
+  "$tmp/venv/bin/pip" download -q --no-deps --no-build-isolation -d "$dest/src" mmcv==2.1.0
+  rm -rf "$tmp"
+  ls -1 "$dest" "$dest/src"
+  du -sh "$dest"
+}
+
+if [ "$phase" = wheelhouse ]; then
+  make_wheelhouse "${2:-.whl}"
+  exit
+fi
+out=${2:-${OUT:-bench_results/gpu}}
+mkdir -p "$out" && out=$(cd "$out" && pwd)
 results="$repo/bench_results/gpu-$phase"
 mkdir -p "$results"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -111,8 +142,8 @@ tests)
   # call for them, so split them, e.g. TEST_PATHS="tests/ops tests/models" then the integration files); -v names
   # each test in the log as it runs, so a run cut short by the time limit says how far it got.
   on_gpu 0 with_lite timeout $(( $(left) - 20 )) python3 -m pytest -v -rfEs -p no:cacheprovider ${TEST_PATHS:-tests/ops \
-      tests/models tests/integration/test_mmdet_graph_inference.py tests/integration/test_mmdet_graphed_training.py \
-      tests/integration/test_mmdet_fast_paths.py} 2>&1 | tee "$results/gpu_tests.log" | tail -25 &
+      tests/models tests/integration/test_mmdet_graph_inference.py tests/integration/mmdet_fast_paths} 2>&1 \
+      | tee "$results/gpu_tests.log" | tail -25 &
   tests_pid=$!
   if [ "$second_gpu" = 1 ]; then
     on_gpu 1 with_lite timeout 150 python3 tools/bench_deform_sdpa.py --out "$results" \
@@ -235,8 +266,8 @@ borrow)
     variants=()
     for setting in ${BORROW_SETTINGS:-1,1.5}; do
       variant="$results/${name}_borrow_${setting/,/_}.py"
-      with_full python3 benchmarks/detector/borrow_variant.py "$repo/${config_of[$name]}" "${setting%,*}" \
-          "${setting#*,}" > "$variant"
+      with_full python3 -m deform_plugin.benchmarks.detector.borrow_variant "$repo/${config_of[$name]}" \
+          "${setting%,*}" "${setting#*,}" > "$variant"
       variants+=("$variant")
     done
     on_gpu 0 with_full timeout $(left) python3 tools/benchmark_train.py "${config_of[$name]}" "${variants[@]}" \

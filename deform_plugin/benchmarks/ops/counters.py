@@ -10,7 +10,7 @@ sectors, registers per thread and achieved occupancy. Writes ``DIR/kernel_counte
 
 Targets:
     ``sdpa:DTYPE``                 deform_sdpa at the seed's configuration (B=2 V=8 S=32 H=16 D=32, 14x14)
-    ``msda:CASE:DIST:DTYPE``       the plain op, ``multi_scale_deformable_attn`` (CASE of ``benchmarks.ops.msda``,
+    ``msda:CASE:DIST:DTYPE``       the plain op, ``multi_scale_deformable_attn`` (CASE of :mod:`.msda`,
                                    DIST ``uniform`` or ``realistic``)
     ``msda-fused:CASE:DTYPE``      the fused op from reference points, offsets and logits, as the module calls it
 """
@@ -47,7 +47,7 @@ DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
 def parse_target(spec: str) -> List[str]:
     """Split and check a target; ``ValueError`` names what is wrong with it."""
-    from benchmarks.ops.msda import CASES
+    from deform_plugin.benchmarks.ops.msda import CASES
 
     parts = spec.split(":")
     kind = parts[0]
@@ -73,14 +73,14 @@ def launch_target(spec: str) -> None:
     parts = parse_target(spec)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[parts[-1]]
     if parts[0] == "sdpa":
-        from benchmarks.ops.deform_sdpa import SEED_SIZE, build_parser, make_inputs, runner
+        from deform_plugin.benchmarks.ops.deform_sdpa import SEED_SIZE, build_parser, make_inputs, runner
 
         args = build_parser().parse_args(["--out", tempfile.gettempdir()])
         inputs = make_inputs(args, SEED_SIZE, dtype, "cuda", requires_grad=True)
         run = runner("fwd+bwd", "triton", inputs, SEED_SIZE)
     else:
-        from benchmarks.ops.msda import CASES
-        from benchmarks.ops.msda_entry import _forward_backward, entries
+        from deform_plugin.benchmarks.ops.msda import CASES
+        from deform_plugin.benchmarks.ops.msda_entry import _forward_backward, entries
 
         name = "op" if parts[0] == "msda" else "fused op"
         dist = parts[2] if parts[0] == "msda" else "uniform"
@@ -107,7 +107,7 @@ def profile_command(ncu: str, spec: str, report: Path) -> List[str]:
     """The ncu command line that profiles every launch of ``spec``'s kernels into ``report``."""
     metrics = ",".join(metric for metric, _, _ in COUNTERS.values())
     return [ncu, "--clock-control", "none", "--metrics", metrics, "-k", KERNEL_PATTERN[parse_target(spec)[0]],
-            "-f", "-o", str(report), sys.executable, "-m", "benchmarks.ops.counters", "--launch", spec]
+            "-f", "-o", str(report), sys.executable, "-m", "deform_plugin.benchmarks.ops.counters", "--launch", spec]
 
 
 def export_command(ncu: str, report: Path) -> List[str]:
@@ -176,7 +176,7 @@ def main(argv=None, description: Optional[str] = None) -> int:
         parse_target(spec)  # every target checked before anything runs
     import torch
 
-    from benchmarks.common import machine_info, machine_line, markdown_table, write_csv
+    from deform_plugin.benchmarks.common import machine_info, machine_line, markdown_table, write_csv
 
     if not torch.cuda.is_available():
         print("kernel_counters: needs a CUDA GPU (none visible)", file=sys.stderr)

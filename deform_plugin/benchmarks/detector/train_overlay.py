@@ -1,8 +1,8 @@
 """The rows of the training benchmark and the overlay config each row trains on.
 
 The overlay inherits the user's config (``_base_`` = its absolute path) and changes only what a benchmark must (see
-:mod:`benchmarks.detector.user_path`); for stock rows it also replaces every deform_plugin piece by the mmengine or
-mmdet original (:mod:`benchmarks.detector.configs` knows which pieces those are).
+:mod:`.user_path`); for stock rows it also replaces every deform_plugin piece by the mmengine or
+mmdet original (:mod:`.configs` knows which pieces those are).
 """
 from __future__ import annotations
 
@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .coco_source import CocoSource
-from .configs import MERGED_CONSTRUCTOR, PLUGIN_HOOKS, PLUGIN_PACKAGE, PLUGIN_TYPE_BASES
+from ..stock_process import is_plugin_module
+from .configs import MERGED_CONSTRUCTOR, PLUGIN_HOOKS, PLUGIN_TYPE_BASES
 from .iteration_timer import validate_windows
 
-TIMER_MODULE = "benchmarks.detector.iteration_timer"
+TIMER_MODULE = "deform_plugin.benchmarks.detector.iteration_timer"
 TIMER_HOOK = "IterationTimerHook"
-PROFILER_MODULE = "benchmarks.detector.step_profiler"
+PROFILER_MODULE = "deform_plugin.benchmarks.detector.step_profiler"
 PROFILER_HOOK = "StepProfilerHook"
 SUPPORTED_DATASET = "CocoDataset"
 NEVER = 10 ** 9  # an interval no benchmark reaches
@@ -157,7 +158,7 @@ def plugin_references(node, path: str = "") -> List[str]:
     elif isinstance(node, (list, tuple)):
         for index, value in enumerate(node):
             found.extend(plugin_references(value, f"{path}[{index}]"))
-    elif isinstance(node, str) and (node.split(".")[0] == PLUGIN_PACKAGE or node in PLUGIN_HOOKS
+    elif isinstance(node, str) and (is_plugin_module(node) or node in PLUGIN_HOOKS
                                     or node == MERGED_CONSTRUCTOR
                                     or node in PLUGIN_TYPE_BASES):
         found.append(f"{path}={node!r}")
@@ -216,7 +217,7 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
     imports = [imports] if isinstance(imports, str) else list(imports)
     hooks = copy.deepcopy(list(base.get("custom_hooks") or []))
     if row.stock:
-        imports = [name for name in imports if name.split(".")[0] != PLUGIN_PACKAGE]
+        imports = [name for name in imports if not is_plugin_module(name)]
         hooks = [hook for hook in hooks if hook.get("type") not in PLUGIN_HOOKS]
         optim_wrapper = base.get("optim_wrapper") or {}
         if (optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR
@@ -239,8 +240,8 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
 
 
 def render_overlay(base_path: Path, overlay: dict, row: Row) -> str:
-    lines = [f"# Benchmark overlay ({row.label}) written by benchmarks/detector/user_path.py: the config below, "
-             "timed on the synthetic COCO source.",
+    lines = [f"# Benchmark overlay ({row.label}) written by deform_plugin/benchmarks/detector/user_path.py: the "
+             "config below, timed on the synthetic COCO source.",
              f"_base_ = {str(base_path)!r}", ""]
     for key, value in overlay.items():
         lines.append(f"{key} = {pprint.pformat(value, width=110, sort_dicts=False)}")

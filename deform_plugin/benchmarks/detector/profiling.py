@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from benchmarks.detector.timing import synchronize
+from deform_plugin.benchmarks.detector.timing import synchronize
 
 RANGE_PREFIX = "deform_plugin::"
 PROFILE_COMPONENTS = ("MSDA", "GEMM", "convolution", "optimizer", "matching", "elementwise", "memcpy", "other")

@@ -8,9 +8,9 @@ from typing import Dict, Optional
 
 import torch
 
-from benchmarks.common import peak_memory_mb, reset_peak_memory, summarize_ms
-from benchmarks.detector.configs import autocast_for
-from benchmarks.detector.iteration_timer import padded_batch_shape
+from deform_plugin.benchmarks.common import peak_memory_mb, reset_peak_memory, summarize_ms
+from deform_plugin.benchmarks.detector.configs import autocast_for
+from deform_plugin.benchmarks.detector.iteration_timer import padded_batch_shape
 
 
 def synchronize(device: torch.device) -> None:

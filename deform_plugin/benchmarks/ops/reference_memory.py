@@ -18,8 +18,8 @@ on a shared machine hits both alike) for ``--repeats`` rounds; the table gives t
 names the count.
 
 Usage (from the repository root):
-    OMP_NUM_THREADS=1 python -m benchmarks.ops.reference_memory
-    python -m benchmarks.ops.reference_memory --cases encoder decoder_q300 --dtypes fp32 --repeats 3
+    OMP_NUM_THREADS=1 python -m deform_plugin.benchmarks.ops.reference_memory
+    python -m deform_plugin.benchmarks.ops.reference_memory --cases encoder decoder_q300 --dtypes fp32 --repeats 3
 """
 from __future__ import annotations
 
@@ -33,15 +33,13 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Dict, List
 
 import torch
 
-from benchmarks.common import repo_commit
-from benchmarks.ops.msda import Case
+from deform_plugin.benchmarks.common import REPO_ROOT, repo_commit
+from deform_plugin.benchmarks.ops.msda import Case
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 IMPLEMENTATIONS = ("mmcv", "ours")
 # Deformable-DETR's four levels at a small input resolution (about 256 x 336 pixels, strides 8 to 64).
@@ -175,7 +173,8 @@ def machine_line() -> str:
 
 
 def run_child(case_name: str, dtype_name: str, impl: str) -> dict:
-    command = [sys.executable, "-m", "benchmarks.ops.reference_memory", "--child", case_name, dtype_name, impl]
+    command = [sys.executable, "-m", "deform_plugin.benchmarks.ops.reference_memory", "--child", case_name, dtype_name,
+               impl]
     result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")

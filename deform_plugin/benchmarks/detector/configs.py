@@ -12,11 +12,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from benchmarks.detector.rows import Row
+from deform_plugin.benchmarks.detector.rows import Row
+from deform_plugin.benchmarks.stock_process import is_plugin_module
 
-# What makes a config deform_plugin's rather than stock mmdet's: the package's imports, its hooks, its optimizer
-# constructor, and its drop-in types with the mmengine types they extend (same arguments), which stock runs use.
-PLUGIN_PACKAGE = "deform_plugin"
+# What makes a config deform_plugin's rather than stock mmdet's: the package's imports (is_plugin_module), its hooks,
+# its optimizer constructor, and its drop-in types with the mmengine types they extend (same arguments), which stock
+# runs use.
 FAST_PATHS_HOOK = "FastPathsHook"
 PLUGIN_HOOKS = (FAST_PATHS_HOOK, "ShapeBucketsHook")
 MERGED_CONSTRUCTOR = "MergedParamGroupsOptimWrapperConstructor"
@@ -52,7 +53,7 @@ def load_config(path: str, cfg_options: Optional[dict], plugin: bool):
     cfg = read_config(path, cfg_options)
     imports = list((cfg.get("custom_imports") or {}).get("imports", []))
     if not plugin:
-        imports = [name for name in imports if name.split(".")[0] != PLUGIN_PACKAGE]
+        imports = [name for name in imports if not is_plugin_module(name)]
         if cfg.get("custom_hooks"):
             cfg.custom_hooks = [h for h in cfg.custom_hooks if h.get("type") not in PLUGIN_HOOKS]
         if cfg.optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:

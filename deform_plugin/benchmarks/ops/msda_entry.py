@@ -28,8 +28,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from benchmarks.common import do_bench, machine_info, machine_line, markdown_table, write_csv
-from benchmarks.ops.msda import CASES, DTYPES, Case, make_inputs, reference_points
+from deform_plugin.benchmarks.common import do_bench, machine_info, machine_line, markdown_table, write_csv
+from deform_plugin.benchmarks.ops.msda import CASES, DTYPES, Case, make_inputs, reference_points
 
 ENTRY_CASES = ("encoder_b2", "decoder_q300", "decoder_q900", "mask2former_b2")
 DISTS = ("uniform", "realistic")  # how make_inputs draws the sampling locations
@@ -50,7 +50,7 @@ def _leaf(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def entries(case: Case, dtype: torch.dtype, dist: str, device="cuda") -> List[Entry]:
-    """Every entry of ``case`` in ``dtype``, on inputs drawn as ``benchmarks.ops.msda`` draws them."""
+    """Every entry of ``case`` in ``dtype``, on inputs drawn as ``deform_plugin.benchmarks.ops.msda`` draws them."""
     import deform_plugin  # noqa: F401  (installs the integration: stock MSDA classes and our module)
     from deform_plugin.integration.mmcv_lite import compiled_mmcv_ops_available
     from deform_plugin.models import MultiScaleDeformableAttention

@@ -1,7 +1,7 @@
 """The whole-detector benchmark's command line and its loop over configs and rows.
 
 ``tools/benchmark.py`` and ``tools/profile_step.py`` call :func:`main`; stock rows re-enter it in a child process
-(``python -m benchmarks.detector.run ... --child-json OUT``, see :mod:`benchmarks.detector.children`).
+(``... --child-json OUT``, see :mod:`.children`).
 """
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from benchmarks.common import machine_info, machine_line
-from benchmarks.detector.children import check_still_stock, prepare_stock_process, run_row_in_child
-from benchmarks.detector.configs import (default_shape, drop_pretrained_init, load_config, optim_wrapper_config,
-                                         read_config, resolve_fast_paths, runner_logging, shape_problems,
-                                         short_config_name)
-from benchmarks.detector.profiling import profile_lines, profile_training
-from benchmarks.detector.report import add_speedups, format_table, write_outputs
-from benchmarks.detector.rows import BACKEND_CHOICES, MODE_CHOICES, Row, build_rows, parse_row, row_result
-from benchmarks.detector.synthetic import make_batch, make_variable_batches
-from benchmarks.detector.timing import mmdet_line, time_inference, time_training, time_variable_sizes
+from deform_plugin.benchmarks.common import machine_info, machine_line
+from deform_plugin.benchmarks.detector.children import check_still_stock, prepare_stock_process, run_row_in_child
+from deform_plugin.benchmarks.detector.configs import (default_shape, drop_pretrained_init, load_config,
+                                                       optim_wrapper_config, read_config, resolve_fast_paths,
+                                                       runner_logging, shape_problems, short_config_name)
+from deform_plugin.benchmarks.detector.profiling import profile_lines, profile_training
+from deform_plugin.benchmarks.detector.report import add_speedups, format_table, write_outputs
+from deform_plugin.benchmarks.detector.rows import BACKEND_CHOICES, MODE_CHOICES, Row, build_rows, parse_row, row_result
+from deform_plugin.benchmarks.detector.synthetic import make_batch, make_variable_batches
+from deform_plugin.benchmarks.detector.timing import mmdet_line, time_inference, time_training, time_variable_sizes
 
 
 def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from benchmarks.common import machine_info, machine_line, markdown_table, summarize_ms
+from deform_plugin.benchmarks.common import machine_info, machine_line, markdown_table, summarize_ms
 
 # (decoder layers, queries, encoder proposals matched against the same gts (DINO) or 0)
 CASES: Dict[str, tuple] = {"dino": (6, 900, 900), "deformable-detr": (6, 300, 0)}

@@ -1,10 +1,10 @@
 """Benchmark of deformable SDPA: the PyTorch baseline (grid_sample, then attention) against the fused Triton kernels.
 
 Sweeps the image size at the seed's configuration (B=2, V=8, S=32, H=16, D=32; 14x14 is the seed's own point) and
-reports latency (:func:`benchmarks.common.do_bench`: median, 20th and 80th percentiles) and peak memory for the
-forward, the backward and forward+backward, with the speedup and memory ratio against the baseline timed in the
-same run, and the Triton forward's relative error against float64 (norm-based:
-:func:`benchmarks.common.relative_error`).
+reports latency (:func:`deform_plugin.benchmarks.common.do_bench`: median, 20th and 80th percentiles) and peak
+memory for the forward, the backward and forward+backward, with the speedup and memory ratio against the baseline
+timed in the same run, and the Triton forward's relative error against float64 (norm-based:
+:func:`deform_plugin.benchmarks.common.relative_error`).
 
 Writes ``DIR/bench_deform_sdpa.csv`` (rows appended) and ``DIR/latency_<dtype>.png``, ``DIR/memory_<dtype>.png``.
 Peak memory is the largest allocation above what the inputs already hold, during one call.
@@ -19,8 +19,8 @@ from typing import List, Optional
 
 import torch
 
-from benchmarks.common import (do_bench, machine_info, machine_line, markdown_table, peak_extra_memory_mb,
-                               plot_lines, relative_error, write_csv)
+from deform_plugin.benchmarks.common import (do_bench, machine_info, machine_line, markdown_table, peak_extra_memory_mb,
+                                             plot_lines, relative_error, write_csv)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 BACKENDS = ("pytorch", "triton")

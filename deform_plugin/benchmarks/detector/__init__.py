@@ -9,5 +9,6 @@ The user's training path (``tools/benchmark_train.py``): rows through the traini
 (:mod:`.iteration_timer`), mmdet's own training script for stock rows (:mod:`.stock_train`) and the report
 (:mod:`.train_report`).
 
-No module here imports deform_plugin at module level: stock rows run these modules in a process that never does.
+No module here imports the rest of deform_plugin at module level: stock rows run these modules in a process that
+never does (:mod:`deform_plugin.benchmarks.stock_process`).
 """

@@ -4,7 +4,7 @@ A row is ``SIDE:MODE``:
 
     SIDE  ours   our ``tools/train.py`` (imports deform_plugin) on the config as given: pass configs/fast/... for
                  the fast variants
-          stock  mmdet's own ``tools/train.py`` from the mmdet wheel, through :mod:`benchmarks.detector.stock_train`,
+          stock  mmdet's own ``tools/train.py`` from the mmdet wheel, through :mod:`.stock_train`,
                  in a process that never imports deform_plugin; every deform_plugin piece of the config is stripped
     MODE  fp32 | fp16 | bf16   (mixed precision through each script's own switch: ``--amp-dtype`` for ours, ``--amp``
                  plus ``optim_wrapper.dtype`` for mmdet's)
@@ -12,13 +12,13 @@ A row is ``SIDE:MODE``:
 Each row trains for ``iters`` iterations on an overlay config, written to a scratch folder, that inherits the
 user's config (``_base_`` = its absolute path) and changes only what a benchmark must:
 
-- the train dataset reads the synthetic COCO-like set (:mod:`benchmarks.detector.coco_source`) through the config's
+- the train dataset reads the synthetic COCO-like set (:mod:`.coco_source`) through the config's
   own pipeline; batch size and workers as asked; mmengine's ``InfiniteSampler`` (a 64-image set would otherwise end
   an epoch, and restart the loader, every few dozen iterations, which a real COCO epoch does not);
 - an ``IterBasedTrainLoop`` of ``iters`` iterations; no validation, test or checkpoint; no pretrained download
   (every ``init_cfg`` of type ``Pretrained`` dropped); ``load_from=None``; seed 0;
-- :class:`benchmarks.detector.iteration_timer.IterationTimerHook` added to the config's own custom hooks, and with
-  ``--profile FIRST:STEPS`` :class:`benchmarks.detector.step_profiler.StepProfilerHook` (per-rank profiles of those
+- :class:`.iteration_timer.IterationTimerHook` added to the config's own custom hooks, and with
+  ``--profile FIRST:STEPS`` :class:`.step_profiler.StepProfilerHook` (per-rank profiles of those
   iterations in ``OUT_DIR/profiles/<row>/``).
 
 Rows run one after another on the same device; a row that fails is reported with the tail of its log.
@@ -37,14 +37,15 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from ..common import REPO_ROOT
+from ..stock_process import stock_command
 from .coco_source import CocoSource, ensure_coco_source
 from .train_overlay import (NEVER, TIMER_HOOK, TIMER_MODULE, Row, Settings, UnsupportedConfig,  # noqa: F401
                             check_supported, overlay_settings, parse_row, plugin_references, read_base_config,
                             render_overlay)
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 OUR_TRAIN_SCRIPT = REPO_ROOT / "tools" / "train.py"
-STOCK_LAUNCHER = "benchmarks.detector.stock_train"
+STOCK_TRAIN_MODULE = "deform_plugin.benchmarks.detector.stock_train"
 AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_ROWS = ("stock:fp32", "ours:fp32", "ours:bf16")
 LOG_TAIL_LINES = 40
@@ -67,7 +68,7 @@ def row_command(row: Row, overlay_path: Path, work_dir: Path, gpus: int = 1,
         if numa_binding:
             launcher.append(f"--numa-binding={numa_binding}")
     if row.stock:
-        command = launcher + ["-m", STOCK_LAUNCHER, str(overlay_path), "--work-dir", str(work_dir)]
+        command = launcher + stock_command(STOCK_TRAIN_MODULE) + [str(overlay_path), "--work-dir", str(work_dir)]
         if row.mode in AMP_DTYPES:
             # mmdet's script has --amp (float16) only; the dtype is the AmpOptimWrapper's own option.
             command += ["--amp", "--cfg-options", f"optim_wrapper.dtype={AMP_DTYPES[row.mode]}"]
@@ -82,7 +83,7 @@ def row_command(row: Row, overlay_path: Path, work_dir: Path, gpus: int = 1,
 
 def child_environment() -> Dict[str, str]:
     env = dict(os.environ)
-    # The timing hook and the stock launcher are imported from this checkout, installed or not.
+    # Our rows import deform_plugin (and the timing hook in it) from this checkout, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     return env

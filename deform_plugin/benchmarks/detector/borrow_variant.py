@@ -1,6 +1,6 @@
 """A config for A/B runs of ShapeBucketsHook's borrowed shapes: CONFIG with other borrowing settings.
 
-    python benchmarks/detector/borrow_variant.py CONFIG UNTIL_SEEN MAX_PIXELS > variant.py
+    python deform_plugin/benchmarks/detector/borrow_variant.py CONFIG UNTIL_SEEN MAX_PIXELS > variant.py
 
 The variant inherits CONFIG (``_base_`` = its absolute path) and restates its ``custom_hooks`` with the
 ShapeBucketsHook's ``borrow_until_seen`` and ``borrow_max_pixels`` replaced (``1`` turns borrowing off).
@@ -27,7 +27,7 @@ def borrow_variant(config_path: str, until_seen: int, max_pixels: float) -> str:
     if not found:
         raise ValueError(f"{config_path} has no ShapeBucketsHook in custom_hooks: nothing to vary")
     return (f"# {os.path.basename(config_path)} with borrow_until_seen={int(until_seen)}, "
-            f"borrow_max_pixels={float(max_pixels):g} (benchmarks/detector/borrow_variant.py)\n"
+            f"borrow_max_pixels={float(max_pixels):g} (deform_plugin/benchmarks/detector/borrow_variant.py)\n"
             f"_base_ = {config_path!r}\ncustom_hooks = {hooks!r}\n")
 
 

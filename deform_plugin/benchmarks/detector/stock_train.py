@@ -1,12 +1,14 @@
 """Run mmdet's own ``tools/train.py`` (the copy in the mmdet wheel) in a process that never imports deform_plugin.
 
-    python -m benchmarks.detector.stock_train CONFIG [mmdet train.py arguments ...]
+    python deform_plugin/benchmarks/stock_process.py deform_plugin.benchmarks.detector.stock_train CONFIG \
+        [mmdet train.py arguments ...]
 
 The one thing added before mmdet's script runs: on a machine without a GPU where mmcv has no compiled ops
 (mmcv-lite), mmcv-lite's placeholder ``mmcv._ext`` is installed so that ``mmdet.models`` imports; it serves no op,
 and mmcv's pure-PyTorch CPU paths never call one. On a GPU without compiled ops the launcher stops: a stock row
 there would not be stock mmcv. ``deform_plugin/integration/mmcv_lite.py`` is run by path, which imports only the
-standard library and torch, never the deform_plugin package.
+standard library and torch; :mod:`deform_plugin.benchmarks.stock_process` keeps the deform_plugin package itself
+uninstalled.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from typing import List, Sequence
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from deform_plugin.benchmarks.common import MMCV_LITE_SCRIPT
+from deform_plugin.benchmarks.stock_process import plugin_imported
 
 
 def mmdet_train_script() -> Path:
@@ -32,16 +35,9 @@ def mmdet_train_script() -> Path:
     return script
 
 
-def mmcv_lite_file() -> Path:
-    """``deform_plugin/integration/mmcv_lite.py``, found without importing the deform_plugin package."""
-    spec = importlib.util.find_spec("deform_plugin")  # a top-level package: finding it imports nothing
-    package_dir = Path(spec.origin).parent if spec is not None and spec.origin else REPO_ROOT / "deform_plugin"
-    return package_dir / "integration" / "mmcv_lite.py"
-
-
 def prepare_mmcv() -> str:
     """Make mmdet importable as stock as this machine allows; returns what serves mmcv's ops."""
-    mmcv_lite = runpy.run_path(str(mmcv_lite_file()))
+    mmcv_lite = runpy.run_path(str(MMCV_LITE_SCRIPT))
     if mmcv_lite["compiled_mmcv_ops_available"]():
         return "compiled"
     if torch.cuda.is_available():
@@ -64,7 +60,7 @@ def main(argv: Sequence[str]) -> None:
         runpy.run_path(str(script), run_name="__main__")
     finally:
         sys.argv = saved_argv
-    if "deform_plugin" in sys.modules:
+    if plugin_imported():
         raise SystemExit("deform_plugin was imported during a stock run")
 
 
