@@ -30,6 +30,10 @@ from typing import Callable, Dict
 
 import torch
 
+__all__ = ["MissingCompiledOp", "compiled_mmcv_ops_available", "install_mmcv_ext_standin", "install_placeholder_ext",
+           "ms_deform_attn_backward", "ms_deform_attn_forward", "nms", "sigmoid_focal_loss_backward",
+           "sigmoid_focal_loss_forward", "standin_installed"]
+
 STANDIN_FLAG = "__deform_plugin_standin__"
 MODULE_NAME = "mmcv._ext"
 

@@ -15,6 +15,8 @@ from typing import Dict
 
 import torch
 
+__all__ = ["compiled_variants", "launch_key", "triton_kernels"]
+
 
 def triton_kernels() -> Dict[str, object]:
     """Every Triton kernel of deform_plugin's ops, by name (the JIT functions, not their autotuned wrappers)."""

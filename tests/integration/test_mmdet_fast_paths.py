@@ -258,7 +258,7 @@ def _loss_inputs(kind, num_gts_per_image, seed=0):
 @pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
 @pytest.mark.parametrize("num_gts", [(3, 5), (0, 4)], ids=["gts3-5", "gts0-4"])
 def test_batched_matching_and_sync_free_losses_give_the_stock_losses_bitwise(kind, num_gts, monkeypatch):
-    from deform_plugin.integration.mmdet_fast_paths import matching
+    from deform_plugin.integration.mmdet_fast_paths import batched_matching, matching
     stock_head = _detr_head(kind)
     fast_head = copy.deepcopy(stock_head)
     holder = nn.Module()
@@ -266,9 +266,10 @@ def test_batched_matching_and_sync_free_losses_give_the_stock_losses_bitwise(kin
     changed = apply_fast_paths(holder, batched_matching=True, sync_free_losses=True)
     assert changed == {"hungarian_host_syncs": 1, "batched_matching": 1, "sync_free_losses": 1}
     cost_passes = []
-    for name in ("_cost_matrix", "_batched_cost_matrices"):
-        original = getattr(matching, name)
-        monkeypatch.setattr(matching, name, lambda *a, __name=name, __original=original, **k:
+    for module, name in ((matching, "_cost_matrix"), (batched_matching, "_cost_matrix"),
+                         (batched_matching, "_batched_cost_matrices")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, __name=name, __original=original, **k:
                             cost_passes.append(__name) or __original(*a, **k))
     inputs = _loss_inputs(kind, num_gts)
     stock = stock_head.loss_by_feat(**inputs)
@@ -290,8 +291,8 @@ def test_batched_matching_and_sync_free_losses_give_the_stock_losses_bitwise(kin
 def test_batched_cost_matrices_are_each_images_own_matrix(dtype):
     from mmengine.structures import InstanceData
 
-    from deform_plugin.integration.mmdet_fast_paths.matching import (_batchable, _batched_cost_matrices,
-                                                                      _cost_matrix)
+    from deform_plugin.integration.mmdet_fast_paths.batched_matching import _batchable, _batched_cost_matrices
+    from deform_plugin.integration.mmdet_fast_paths.matching import _cost_matrix
     from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
     assigner = _detr_head("dino").assigner
     generator = torch.Generator().manual_seed(3)
@@ -437,7 +438,7 @@ def _losses_and_gradients(head, inputs):
 @pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
 @pytest.mark.parametrize("num_gts", [(3, 5), (0, 4), (0, 0)], ids=["gts3-5", "gts0-4", "gts0-0"])
 def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monkeypatch):
-    from deform_plugin.integration.mmdet_fast_paths import batched_losses, matching
+    from deform_plugin.integration.mmdet_fast_paths import batched_losses, batched_matching
     stock_head = _detr_head(kind)
     fast_head = copy.deepcopy(stock_head)
     holder = nn.Module()
@@ -449,8 +450,9 @@ def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monke
     monkeypatch.setattr(batched_losses, "layer_losses", lambda *a, **k: passes.append(a[1].shape[0]) or original(
         *a, **k))
     copies = []
-    costs_to_host = matching.costs_to_host
-    monkeypatch.setattr(matching, "costs_to_host", lambda costs: copies.append(len(costs)) or costs_to_host(costs))
+    costs_to_host = batched_matching.costs_to_host
+    monkeypatch.setattr(batched_matching, "costs_to_host",
+                        lambda costs: copies.append(len(costs)) or costs_to_host(costs))
     per_layer_targets = []
     targets_single = fast_head._get_targets_single
     fast_head._get_targets_single = lambda *a, **k: per_layer_targets.append(1) or targets_single(*a, **k)

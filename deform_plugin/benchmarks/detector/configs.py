@@ -139,7 +139,7 @@ def runner_logging(cfg, row: Row):
     if not row.plugin or runtime_info.get("type") != "DeferredRuntimeInfoHook":
         yield False
         return
-    from deform_plugin.engine.sync_free import DEFERRED_SCALARS
+    from deform_plugin.engine import DEFERRED_SCALARS
     DEFERRED_SCALARS.active = True
     try:
         yield True

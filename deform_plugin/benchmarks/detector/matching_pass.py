@@ -1,5 +1,6 @@
 """Host time of a DETR step's matching pass: every decoder layer's (and the encoder's) cost matrices, their copy to
-the host and the assignments (``deform_plugin``'s batched matching, :func:`solve_ahead`).
+the host and the assignments (``deform_plugin``'s batched matching,
+:func:`deform_plugin.integration.mmdet_fast_paths.batched_matching.solve_ahead`).
 
 In a replayed training step the network costs one graph launch and the eager tail decides the step's host time;
 the matching pass is a fixed part of that tail. Per case it reports the median (20th / 80th percentiles) of:
@@ -62,29 +63,20 @@ def detr_assigner():
 
 
 def time_pass(assigner, case, device: torch.device, warmup: int, repeats: int) -> dict:
-    """Launch and whole-pass samples of ``solve_ahead`` on one case."""
-    from deform_plugin.integration.mmdet_fast_paths import matching
-    copy_to_host = matching.costs_to_host
-    launched: List[float] = []
-
-    def timed_copy(costs):
-        launched.append(time.perf_counter())
-        return copy_to_host(costs)
+    """Launch and whole-pass samples of :func:`solve_ahead` (timed as its two halves) on one case."""
+    from deform_plugin.integration.mmdet_fast_paths.batched_matching import launch_costs, solve_launched_costs
     launches, passes = [], []
-    matching.costs_to_host = timed_copy
-    try:
-        for index in range(warmup + repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            launched.clear()
-            started = time.perf_counter()
-            matching.solve_ahead(assigner, *case)
-            ended = time.perf_counter()
-            if index >= warmup:
-                launches.append(launched[0] - started)
-                passes.append(ended - started)
-    finally:
-        matching.costs_to_host = copy_to_host
+    for index in range(warmup + repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        costs = launch_costs(assigner, *case)
+        launched = time.perf_counter()
+        solve_launched_costs(costs)
+        ended = time.perf_counter()
+        if index >= warmup:
+            launches.append(launched - started)
+            passes.append(ended - started)
     return dict(launch=summarize_ms(launches), whole=summarize_ms(passes))
 
 

@@ -80,7 +80,7 @@ def launch_target(spec: str) -> None:
         run = runner("fwd+bwd", "triton", inputs, SEED_SIZE)
     else:
         from deform_plugin.benchmarks.ops.msda import CASES
-        from deform_plugin.benchmarks.ops.msda_entry import _forward_backward, entries
+        from deform_plugin.benchmarks.ops.msda_entry import entries, forward_backward
 
         name = "op" if parts[0] == "msda" else "fused op"
         dist = parts[2] if parts[0] == "msda" else "uniform"
@@ -88,7 +88,7 @@ def launch_target(spec: str) -> None:
         entry = next(e for e in entries(case, dtype, dist) if e.name == name)
         grad_output = torch.randn(case.batch, case.num_queries, case.heads * case.head_dim, device="cuda",
                                   dtype=dtype)
-        run = _forward_backward(entry, grad_output)
+        run = forward_backward(entry, grad_output)
     run()
     torch.cuda.synchronize()
 

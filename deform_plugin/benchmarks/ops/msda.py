@@ -18,7 +18,7 @@ import argparse
 import contextlib
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -255,7 +255,6 @@ def tune(case_names, dtype_names, dists, rep: int = 100, device="cuda", cases=No
     """Median ms of the Triton launchers (plain and fused, forward and backward) under each of ``TUNE_CONFIGS``:
     kernel time without the public entry's host path. Prints one line per case, dtype and distribution."""
     from deform_plugin.ops.msda import triton_launch
-    from deform_plugin.ops.triton_support import next_power_of_2
 
     cases = cases or CASES
     rows = []
@@ -269,8 +268,9 @@ def tune(case_names, dtype_names, dists, rep: int = 100, device="cuda", cases=No
                                           device=value.device, dtype=value.dtype)
                 line = [f"{name} {dtype_name} {dist}:"]
                 for block_q, warps, stages in TUNE_CONFIGS:
-                    config = triton_launch.LaunchConfig(block_q, next_power_of_2(case.head_dim), warps,
-                                                        num_stages=stages)
+                    config = replace(
+                        triton_launch.choose_config(case.head_dim, block_q=block_q, num_warps=warps),
+                        num_stages=stages)
                     launches = {
                         "fwd": lambda: triton_launch.msda_forward(value, shapes, starts, locations, weights,
                                                                   config=config),

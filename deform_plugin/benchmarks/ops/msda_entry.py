@@ -106,7 +106,7 @@ def _forward(entry: Entry) -> Callable[[], object]:
     return run
 
 
-def _forward_backward(entry: Entry, grad_output: torch.Tensor) -> Callable[[], object]:
+def forward_backward(entry: Entry, grad_output: torch.Tensor) -> Callable[[], object]:
     def run():
         return torch.autograd.grad(entry.call(), entry.leaves, grad_output)
     return run
@@ -146,7 +146,7 @@ def host_us_per_call(run: Callable[[], object], calls: int = HOST_CALLS) -> floa
 def time_entry(entry: Entry, rep: int) -> Dict[str, Optional[float]]:
     out = entry.call().detach()
     grad_output = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out)
-    runs = {"fwd": _forward(entry), "fwd+bwd": _forward_backward(entry, grad_output)}
+    runs = {"fwd": _forward(entry), "fwd+bwd": forward_backward(entry, grad_output)}
     result: Dict[str, Optional[float]] = {}
     for mode, run in runs.items():
         result[f"{mode}_ms"] = do_bench(run, rep=rep)[0]

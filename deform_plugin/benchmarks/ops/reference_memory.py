@@ -73,7 +73,7 @@ def implementation(name: str):
     """A callable ``(value, shapes, starts, locations, weights) -> (B, Q, H*D)``."""
     import deform_plugin  # noqa: F401  (installs the mmcv-lite stand-in, so mmcv.ops imports)
     if name == "ours":
-        from deform_plugin.ops.msda.reference import multi_scale_deformable_attn_reference
+        from deform_plugin.ops import multi_scale_deformable_attn_reference
         return multi_scale_deformable_attn_reference
     from mmcv.ops.multi_scale_deform_attn import multi_scale_deformable_attn_pytorch
     return lambda value, shapes, starts, locations, weights: multi_scale_deformable_attn_pytorch(

@@ -6,8 +6,9 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
 :func:`apply_fast_paths`). Each switch changes instances of one model only; each is exact (see its module):
 
 - ``sdpa_attention`` (:mod:`.sdpa_attention`): attention bricks through PyTorch SDPA;
-- ``hungarian_host_syncs`` and ``batched_matching`` (:mod:`.matching`): matching with fewer syncs, and all of a
-  step's matching in one pass (for Mask2Former, with its losses made sync-free: :mod:`.mask2former_losses`);
+- ``hungarian_host_syncs`` (:mod:`.matching`) and ``batched_matching`` (:mod:`.batched_matching`): matching with
+  fewer syncs, and all of a step's matching in one pass (for Mask2Former, with its losses made sync-free:
+  :mod:`.mask2former_losses`);
 - ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
 - ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass, DINO's denoising losses too
   (needs the matching solved ahead: turns ``batched_matching`` on too);
@@ -30,10 +31,11 @@ from typing import Dict, Optional
 from torch import nn
 
 from .batched_losses import enable_batched_losses
+from .batched_matching import enable_batched_matching
 from .graphed_training import enable_cuda_graphs
 from .loss_normalisation import enable_sync_free_losses
 from .mask2former_losses import enable_mask2former_batched_matching
-from .matching import enable_batched_matching, enable_hungarian_host_syncs
+from .matching import enable_hungarian_host_syncs
 from .ffn_memory import enable_ffn_recompute, enable_relu_dropout_fusion
 from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
 from .sync_free_forward import enable_sync_free_forward

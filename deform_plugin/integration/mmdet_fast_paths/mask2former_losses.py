@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import record_function
 
-from .matching import _cost_matrix, _solve, _to_device_without_blocking, costs_to_host, host_solves
+from .batched_matching import costs_to_host
+from .matching import _cost_matrix, _solve, _to_device_without_blocking, host_solves
 
 
 class _StockDraws:

@@ -19,6 +19,9 @@ import triton.language as tl
 from ..triton_support import DirectLaunches, alignment_bits, data_pointers, device_of_launch, next_power_of_2
 from .triton_kernels import msda_backward_kernel, msda_forward_kernel, msda_grad_value_segments_kernel
 
+__all__ = ["LaunchConfig", "choose_config", "fused_msda_backward", "fused_msda_forward", "msda_backward",
+           "msda_forward"]
+
 # Entries of the deterministic grad_value reduction handled per step of its loop.
 _SEGMENT_BLOCK_E = 16
 _INT32_MAX = 2 ** 31 - 1

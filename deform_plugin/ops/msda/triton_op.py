@@ -18,6 +18,8 @@ import torch
 
 from . import triton_launch
 
+__all__ = ["fused_multi_scale_deformable_attn_triton", "multi_scale_deformable_attn_triton"]
+
 _LIBRARY = "deform_plugin"
 
 
