@@ -6,6 +6,7 @@
 - :mod:`.mmdet_msda_sites`: our MSDA wherever mmdet builds one;
 - :mod:`.mmdet_focal_loss`: bf16 logits through mmcv's compiled focal loss;
 - :mod:`.mmdet_fast_paths`: the exact fast paths of a training step (opt-in, per model).
+- :mod:`.mmdet_version`: the mmdet release that the copies of mmdet's private methods mirror, checked in one place.
 - :mod:`.mmdet_detr_onnx`: ONNX export of the DETR-family detectors and its check in ONNX Runtime (tools only).
 """
 import importlib.util

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from mmengine.logging import print_log
 
 # The mmdet release whose MaskFormerHead.predict tail the MaskFormer post-processing below mirrors.
-MIRRORED_MMDET_VERSION = "3.3.0"
+from .mmdet_version import MIRRORED_MMDET_VERSION
 
 
 def _detr_region(detector, batch_inputs, batch_data_samples):

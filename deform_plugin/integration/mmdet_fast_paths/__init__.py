@@ -22,7 +22,8 @@ for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a
   activation for backward instead of three; FFNs without dropout recompute their hidden layer in the backward
   (less training memory).
 
-All but the first and the last two replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet versions.
+All but the first and the last two replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet
+versions (:mod:`deform_plugin.integration.mmdet_version`).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from typing import Dict, Optional
 
 from torch import nn
 
+from ..mmdet_version import MIRRORED_MMDET_VERSION, check_mirrored_mmdet_version
 from .batched_losses import enable_batched_losses
 from .batched_matching import enable_batched_matching
 from .graphed_training import enable_cuda_graphs
@@ -40,28 +42,16 @@ from .ffn_memory import enable_ffn_recompute, enable_relu_dropout_fusion
 from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
 from .sync_free_forward import enable_sync_free_forward
 
-# The mmdet release whose private DETRHead methods the copies in this package mirror line for line.
-MIRRORED_MMDET_VERSION = "3.3.0"
 FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses", "sync_free_forward",
               "batched_losses", "cuda_graphs", "relu_dropout_fusion", "ffn_recompute")
 
-__all__ = ["FAST_PATHS", "apply_fast_paths", "check_mirrored_mmdet_version", "disable_sdpa_attention",
-           "enable_sdpa_attention", "sdpa_multihead_attention_class"]
+__all__ = ["FAST_PATHS", "MIRRORED_MMDET_VERSION", "apply_fast_paths", "check_mirrored_mmdet_version",
+           "disable_sdpa_attention", "enable_sdpa_attention", "sdpa_multihead_attention_class"]
 
 
 def _distributed_over_processes() -> bool:
     import torch.distributed as dist
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def check_mirrored_mmdet_version(switch: str) -> None:
-    """Refuse an mmdet-private copy on an mmdet other than the one it mirrors, with a clear message."""
-    import mmdet
-    if mmdet.__version__ != MIRRORED_MMDET_VERSION:
-        raise RuntimeError(
-            f"deform_plugin's {switch} fast path mirrors private methods of mmdet {MIRRORED_MMDET_VERSION}, but "
-            f"mmdet {mmdet.__version__} is installed: turn it off (FastPathsHook({switch}=False)) or install "
-            f"mmdet=={MIRRORED_MMDET_VERSION}")
 
 
 def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
@@ -86,19 +76,19 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
     if sdpa_attention:
         changed["sdpa_attention"] = enable_sdpa_attention(model)
     if hungarian_host_syncs or batched_matching:
-        check_mirrored_mmdet_version("hungarian_host_syncs")
+        check_mirrored_mmdet_version("fast path hungarian_host_syncs")
         changed["hungarian_host_syncs"] = enable_hungarian_host_syncs(model)
     if batched_matching:
         changed["batched_matching"] = enable_batched_matching(model) + enable_mask2former_batched_matching(model)
     if sync_free_losses:
-        check_mirrored_mmdet_version("sync_free_losses")
+        check_mirrored_mmdet_version("fast path sync_free_losses")
         changed["sync_free_losses"] = enable_sync_free_losses(model)
     if sync_free_forward:
-        check_mirrored_mmdet_version("sync_free_forward")
+        check_mirrored_mmdet_version("fast path sync_free_forward")
         changed["sync_free_forward"] = enable_sync_free_forward(model)
     if batched_losses:
         # Last: a head's per-layer loss method (stock or sync-free) stays the fallback for unforeseen calls.
-        check_mirrored_mmdet_version("batched_losses")
+        check_mirrored_mmdet_version("fast path batched_losses")
         changed["batched_losses"] = sum(enable_batched_losses(head) for head in model.modules()
                                         if "loss_by_feat" in vars(head) and hasattr(head, "assigner"))
     # Before the graphs capture the network; the fusion first, so that recomputation takes the FFNs left.
@@ -107,7 +97,7 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
     if ffn_recompute:
         changed["ffn_recompute"] = enable_ffn_recompute(model)
     if cuda_graphs:
-        check_mirrored_mmdet_version("cuda_graphs")
+        check_mirrored_mmdet_version("fast path cuda_graphs")
         if split_graphs_at_features is None:
             split_graphs_at_features = _distributed_over_processes() and gradient_slots is None
         changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split_graphs_at_features,
