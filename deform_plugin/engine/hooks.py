@@ -20,47 +20,18 @@ class FastPathsHook(Hook):
         custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True,
                              sync_free_losses=True)]
 
-    Each switch is off unless set. The switches change classes/methods of existing objects only (no new
-    parameters), so checkpoints stay interchangeable with stock runs.
-
-    Args:
-        sdpa_attention (bool): mmcv ``MultiheadAttention`` bricks run PyTorch SDPA (``need_weights=False``).
-        hungarian_host_syncs (bool): ``HungarianAssigner.assign`` builds its result on the host and copies it once,
-            without blocking; DETR-family heads take their positive/negative query indices from that host copy
-            instead of two ``nonzero()`` syncs.
-        batched_matching (bool): every decoder layer's matching of a step in one cost pass and one copy to the
-            host (turns ``hungarian_host_syncs`` on too).
-        sync_free_losses (bool): the DETR heads' per-layer loss normalisers without host syncs.
-        sync_free_forward (bool): Deformable-DETR's and DINO's forward without host syncs (level tables made on the
-            host, the host's sizes walked instead of the device's).
-        batched_losses (bool): every decoder layer's DETR loss (focal, L1, GIoU) of a step in one pass over all
-            layers, from the assignments solved ahead (turns ``batched_matching`` on too); DINO's denoising losses
-            in one pass as well.
-        cuda_graphs (bool): the network's training forward and backward replayed from CUDA graphs, per input shape.
-        split_graphs_at_features (bool, optional): with ``cuda_graphs``, the DETRs' backbone and neck captured as a
-            region of their own, so that DistributedDataParallel all-reduces the other gradients while the
-            backbone's backward replays. None (the default): only under DistributedDataParallel. Unwrapped or
-            under ``FlatGradientsDataParallel`` the graphed regions write the gradients into the parameters'
-            slots (:mod:`deform_plugin.engine.data_parallel`).
-        relu_dropout_fusion (bool): mmcv ``FFN``'s ReLU and dropout keep one activation for backward instead of
-            three (less memory; the same outputs, random draws and gradients).
-        ffn_recompute (bool): mmcv ``FFN``s without dropout keep only their input and recompute their hidden layer
-            in the backward (less memory for two more matmuls per FFN; the same outputs and gradients).
+    The keys are the fields of :class:`~deform_plugin.integration.mmdet_fast_paths.FastPaths`, which says what each
+    switch does; each is off unless set, and an unknown key is refused with the valid ones. The switches change
+    classes/methods of existing objects only (no new parameters), so checkpoints stay interchangeable with stock
+    runs. With ``cuda_graphs``, unwrapped models or those under ``FlatGradientsDataParallel`` get their gradients
+    written into the parameters' slots (:mod:`deform_plugin.engine.data_parallel`).
     """
 
     priority = "VERY_HIGH"
 
-    def __init__(self, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
-                 batched_matching: bool = False, sync_free_losses: bool = False, sync_free_forward: bool = False,
-                 batched_losses: bool = False, cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
-                 ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None):
-        self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs),
-                             batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses),
-                             sync_free_forward=bool(sync_free_forward), batched_losses=bool(batched_losses),
-                             cuda_graphs=bool(cuda_graphs), relu_dropout_fusion=bool(relu_dropout_fusion),
-                             ffn_recompute=bool(ffn_recompute))
-        self.split_graphs_at_features = (None if split_graphs_at_features is None
-                                         else bool(split_graphs_at_features))
+    def __init__(self, **switches):
+        from deform_plugin.integration.mmdet_fast_paths import FastPaths
+        self.fast_paths = FastPaths.from_dict(switches)
 
     def _gradient_slots(self, model):
         """Where the graphed regions write the gradients: the wrapper's slots under
@@ -69,7 +40,7 @@ class FastPathsHook(Hook):
         from mmengine.model import is_model_wrapper
 
         from .data_parallel import ParameterGradientSlots
-        if not self.switches["cuda_graphs"]:
+        if not self.fast_paths.cuda_graphs:
             return None
         if is_model_wrapper(model):
             return getattr(model, "gradient_slots", None)
@@ -83,9 +54,7 @@ class FastPathsHook(Hook):
         # The one-time host work of the first Triton call, on a thread, while the run initialises its weights and
         # its data loader's workers start (it would otherwise fall in the first iteration).
         prepare_triton_in_background()
-        changed = apply_fast_paths(runner.model, **self.switches,
-                                   split_graphs_at_features=self.split_graphs_at_features,
-                                   gradient_slots=self._gradient_slots(runner.model))
+        changed = apply_fast_paths(runner.model, self.fast_paths, gradient_slots=self._gradient_slots(runner.model))
         print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
 
 
@@ -291,12 +260,15 @@ def _pad_batch_to(preprocessor, data: dict, target: Tuple[int, int]) -> None:
 
 
 def fast_path_switches_from_config(cfg) -> dict:
-    """The switches a config's ``custom_hooks`` give :class:`FastPathsHook` ({} when it has none)."""
+    """The switches a config's ``custom_hooks`` give :class:`FastPathsHook`, as they are set there ({} when it has
+    none); a key that is no switch is refused."""
+    from deform_plugin.integration.mmdet_fast_paths import FastPaths
     switches = {}
     for hook_cfg in cfg.get("custom_hooks", None) or []:
         if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
             switches.update({k: None if v is None else bool(v) for k, v in hook_cfg.items()
                              if k not in ("type", "priority")})
+    FastPaths.from_dict(switches)
     return switches
 
 

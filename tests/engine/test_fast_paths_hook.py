@@ -101,3 +101,13 @@ def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
                      (True, None), (False, None), (False, wrapped.gradient_slots)]
     cfg = dict(custom_hooks=[dict(type="FastPathsHook", cuda_graphs=1, split_graphs_at_features=None)])
     assert fast_path_switches_from_config(cfg) == dict(cuda_graphs=True, split_graphs_at_features=None)
+
+
+def test_a_config_key_that_is_no_switch_is_refused_by_name():
+    import pytest
+    with pytest.raises(ValueError, match="unknown fast path switch sdpa: the switches are sdpa_attention, "):
+        FastPathsHook(sdpa=True)
+    cfg = dict(custom_hooks=[dict(type="FastPathsHook", cuda_graph=True)])
+    with pytest.raises(ValueError, match="unknown fast path switch cuda_graph:"):
+        fast_path_switches_from_config(cfg)
+    assert FastPathsHook(cuda_graphs=1).fast_paths.cuda_graphs is True

@@ -8,7 +8,8 @@ import copy
 import math
 import os
 from contextlib import contextmanager, nullcontext
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -23,12 +24,13 @@ PLUGIN_HOOKS = (FAST_PATHS_HOOK, "ShapeBucketsHook")
 MERGED_CONSTRUCTOR = "MergedParamGroupsOptimWrapperConstructor"
 PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWrapper": "AmpOptimWrapper",
                      "DeferredRuntimeInfoHook": "RuntimeInfoHook"}
-# The FastPathsHook switches (and the graph inference, and ShapeBucketsHook's training padding) that each FAST
-# choice of a row turns on.
+# The switches (fields of deform_plugin.integration.mmdet_fast_paths.FastPaths) that each FAST choice of a row turns
+# on. Beyond them, 'optim' sets the merged optimizer constructor, 'graph' also replays inference rows from a CUDA
+# graph, and 'buckets' pads the training batches as ShapeBucketsHook does.
 FAST_PATH_SWITCHES = {"optim": (), "sdpa": ("sdpa_attention",), "matching": ("batched_matching",),
                       "losses": ("sync_free_losses",), "batched": ("batched_losses",),
-                      "forward": ("sync_free_forward",), "graph": ("graph_inference", "cuda_graphs"),
-                      "ffn": ("relu_dropout_fusion", "ffn_recompute"), "buckets": ("shape_buckets",)}
+                      "forward": ("sync_free_forward",), "graph": ("cuda_graphs",),
+                      "ffn": ("relu_dropout_fusion", "ffn_recompute"), "buckets": ()}
 # ShapeBucketsHook's default, for rows that force the buckets on a config without the hook.
 DEFAULT_BUCKET_DIVISOR = 128
 # mmdet's usual COCO test scale, used when a config's pipelines fix no size.
@@ -88,29 +90,33 @@ def drop_pretrained_init(node) -> int:
     return removed
 
 
-def resolve_fast_paths(cfg, row: Row) -> Dict[str, object]:
-    """Set the optimizer constructor in ``cfg`` for ``row``; return the model-level switches to apply.
+@dataclass(frozen=True)
+class RowSpeedups:
+    """What a row adds to the config's model: its fast paths (a ``FastPaths``; None for stock rows), graph-replayed
+    inference, and the training batch's size divisor of ShapeBucketsHook (None: no further padding)."""
 
-    ``shape_buckets`` (popped by the caller) is the training batch's size divisor of ShapeBucketsHook, or absent.
-    """
+    fast_paths: Optional[object] = None
+    graph_inference: bool = False
+    bucket_divisor: Optional[int] = None
+
+
+def resolve_fast_paths(cfg, row: Row) -> RowSpeedups:
+    """Set the optimizer constructor in ``cfg`` for ``row``; return what the row adds to the model."""
     if not row.plugin:
-        return {}
+        return RowSpeedups()
     from deform_plugin.engine import fast_path_switches_from_config, training_size_divisor_from_config
+    from deform_plugin.integration.mmdet_fast_paths import FastPaths
     forced = row.fast_set()
     divisor = training_size_divisor_from_config(cfg)
     if forced is None:
-        switches = dict(fast_path_switches_from_config(cfg))
-        if divisor is not None:
-            switches["shape_buckets"] = divisor
-        return switches
+        return RowSpeedups(FastPaths.from_dict(fast_path_switches_from_config(cfg)), bucket_divisor=divisor)
     if "optim" in forced:
         cfg.optim_wrapper["constructor"] = MERGED_CONSTRUCTOR
     elif cfg.optim_wrapper.get("constructor") == MERGED_CONSTRUCTOR:
         cfg.optim_wrapper.pop("constructor")
-    switches = {switch: True for choice in forced for switch in FAST_PATH_SWITCHES.get(choice, ())}
-    if switches.pop("shape_buckets", False):
-        switches["shape_buckets"] = divisor or DEFAULT_BUCKET_DIVISOR
-    return switches
+    switches = {switch: True for choice in forced for switch in FAST_PATH_SWITCHES[choice]}
+    return RowSpeedups(FastPaths.from_dict(switches), graph_inference="graph" in forced,
+                       bucket_divisor=(divisor or DEFAULT_BUCKET_DIVISOR) if "buckets" in forced else None)
 
 
 def optim_wrapper_config(cfg, mode: str, plugin: bool = False):

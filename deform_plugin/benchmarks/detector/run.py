@@ -105,7 +105,7 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
     if not row.plugin:
         prepare_stock_process(device)
     cfg = load_config(config_path, args.cfg_options, plugin=row.plugin)
-    switches = resolve_fast_paths(cfg, row)
+    speedups = resolve_fast_paths(cfg, row)
     if row.plugin:
         from deform_plugin.ops import set_default_backend
         set_default_backend(row.backend)
@@ -119,11 +119,9 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
     model.init_weights()
     model.to(device)
     result["fast_path_sites"] = {}
-    graph_inference = switches.pop("graph_inference", False)
-    bucket_divisor = switches.pop("shape_buckets", None)
-    if row.plugin and any(switches.values()):
+    if row.plugin and speedups.fast_paths.selected():
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
-        result["fast_path_sites"] = apply_fast_paths(model, **switches)
+        result["fast_path_sites"] = apply_fast_paths(model, speedups.fast_paths)
     model.train()
     optim_wrapper = build_optim_wrapper(model, optim_wrapper_config(cfg, row.mode, plugin=row.plugin))
     optimizer = optim_wrapper.optimizer
@@ -133,9 +131,9 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
                            "foreach": optimizer.defaults.get("foreach")}
     eval_divisor = model.data_preprocessor.pad_size_divisor
     train_divisor = eval_divisor
-    if bucket_divisor:  # as ShapeBucketsHook does in the Runner: training batches only
+    if speedups.bucket_divisor:  # as ShapeBucketsHook does in the Runner: training batches only
         from deform_plugin.engine import ShapeBucketsHook
-        train_divisor = ShapeBucketsHook.training_divisor(eval_divisor, bucket_divisor)
+        train_divisor = ShapeBucketsHook.training_divisor(eval_divisor, speedups.bucket_divisor)
         result["fast_path_sites"]["shape_buckets"] = train_divisor
     model.data_preprocessor.pad_size_divisor = train_divisor
     height, width = shape
@@ -162,7 +160,7 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
             model.data_preprocessor.pad_size_divisor = eval_divisor
             if args.inference_steps > 0:
                 batch1 = make_batch(model, 1, height, width, args.num_gts, args.seed)
-                if graph_inference and device.type == "cuda":
+                if speedups.graph_inference and device.type == "cuda":
                     from deform_plugin.integration.mmdet_graph_inference import enable_graph_inference
                     result["fast_path_sites"]["graph_inference"] = type(enable_graph_inference(model)).__name__
                 result["inference"] = time_inference(model, batch1, device, row.mode, args.inference_warmup,

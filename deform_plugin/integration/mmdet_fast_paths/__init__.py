@@ -3,7 +3,8 @@
 This package is the one place that knows the private structure these fast paths change (mmcv's
 ``MultiheadAttention`` brick, mmdet's ``HungarianAssigner`` and DETR heads). Nothing here runs unless a config asks
 for it, through ``deform_plugin.engine.FastPathsHook`` in ``custom_hooks`` (or a tool calling
-:func:`apply_fast_paths`). Each switch changes instances of one model only; each is exact (see its module):
+:func:`apply_fast_paths`). The switches are the fields of :class:`FastPaths` (:mod:`.switches`). Each changes
+instances of one model only; each is exact (see its module):
 
 - ``sdpa_attention`` (:mod:`.sdpa_attention`): attention bricks through PyTorch SDPA;
 - ``hungarian_host_syncs`` (:mod:`.matching`) and ``batched_matching`` (:mod:`.batched_matching`): matching with
@@ -34,18 +35,18 @@ from torch import nn
 from ..mmdet_version import MIRRORED_MMDET_VERSION, check_mirrored_mmdet_version
 from .batched_losses import enable_batched_losses
 from .batched_matching import enable_batched_matching
+from .ffn_memory import enable_ffn_recompute, enable_relu_dropout_fusion
 from .graphed_training import enable_cuda_graphs
 from .loss_normalisation import enable_sync_free_losses
 from .mask2former_losses import enable_mask2former_batched_matching
 from .matching import enable_hungarian_host_syncs
-from .ffn_memory import enable_ffn_recompute, enable_relu_dropout_fusion
 from .sdpa_attention import disable_sdpa_attention, enable_sdpa_attention, sdpa_multihead_attention_class
+from .switches import FastPaths
 from .sync_free_forward import enable_sync_free_forward
 
-FAST_PATHS = ("sdpa_attention", "hungarian_host_syncs", "batched_matching", "sync_free_losses", "sync_free_forward",
-              "batched_losses", "cuda_graphs", "relu_dropout_fusion", "ffn_recompute")
+FAST_PATHS = FastPaths.switch_names()
 
-__all__ = ["FAST_PATHS", "MIRRORED_MMDET_VERSION", "apply_fast_paths", "check_mirrored_mmdet_version",
+__all__ = ["FAST_PATHS", "MIRRORED_MMDET_VERSION", "FastPaths", "apply_fast_paths", "check_mirrored_mmdet_version",
            "disable_sdpa_attention", "enable_sdpa_attention", "sdpa_multihead_attention_class"]
 
 
@@ -54,52 +55,50 @@ def _distributed_over_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
-                     batched_matching: bool = False, sync_free_losses: bool = False,
-                     sync_free_forward: bool = False, batched_losses: bool = False,
-                     cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
-                     ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None,
-                     gradient_slots=None) -> Dict[str, int]:
+def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gradient_slots=None,
+                     **switch_values) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
-    ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too; ``batched_losses`` builds on
-    ``batched_matching``; ``cuda_graphs`` on ``sync_free_forward``. ``split_graphs_at_features`` (None: where the
-    run is distributed over more than one process without ``gradient_slots``, i.e. under DistributedDataParallel)
-    gives the DETRs' backbone and neck a graphed region of their own; ``gradient_slots`` (never with
-    DistributedDataParallel) let the graphed regions hand the parameters their gradients without autograd's
-    per-parameter accumulation (see :func:`.graphed_training.enable_cuda_graph_training`).
+    The switches come as a :class:`FastPaths` or as its fields by keyword (``sdpa_attention=True, ...``), not both;
+    the switches they need are turned on too (:meth:`FastPaths.with_implications`). ``split_graphs_at_features``
+    (None: where the run is distributed over more than one process without ``gradient_slots``, i.e. under
+    DistributedDataParallel) gives the DETRs' backbone and neck a graphed region of their own; ``gradient_slots``
+    (never with DistributedDataParallel) let the graphed regions hand the parameters their gradients without
+    autograd's per-parameter accumulation (see :func:`.graphed_training.enable_cuda_graph_training`).
     """
-    batched_matching = batched_matching or batched_losses
-    sync_free_forward = sync_free_forward or cuda_graphs
+    if switches is not None and switch_values:
+        raise TypeError(f"apply_fast_paths takes a FastPaths or switches by keyword, not both (got "
+                        f"{', '.join(sorted(switch_values))} beside {switches})")
+    paths = (switches if switches is not None else FastPaths.from_dict(switch_values)).with_implications()
     model = getattr(model, "module", model)
     changed = {}
-    if sdpa_attention:
+    if paths.sdpa_attention:
         changed["sdpa_attention"] = enable_sdpa_attention(model)
-    if hungarian_host_syncs or batched_matching:
+    if paths.hungarian_host_syncs:
         check_mirrored_mmdet_version("fast path hungarian_host_syncs")
         changed["hungarian_host_syncs"] = enable_hungarian_host_syncs(model)
-    if batched_matching:
+    if paths.batched_matching:
         changed["batched_matching"] = enable_batched_matching(model) + enable_mask2former_batched_matching(model)
-    if sync_free_losses:
+    if paths.sync_free_losses:
         check_mirrored_mmdet_version("fast path sync_free_losses")
         changed["sync_free_losses"] = enable_sync_free_losses(model)
-    if sync_free_forward:
+    if paths.sync_free_forward:
         check_mirrored_mmdet_version("fast path sync_free_forward")
         changed["sync_free_forward"] = enable_sync_free_forward(model)
-    if batched_losses:
+    if paths.batched_losses:
         # Last: a head's per-layer loss method (stock or sync-free) stays the fallback for unforeseen calls.
         check_mirrored_mmdet_version("fast path batched_losses")
         changed["batched_losses"] = sum(enable_batched_losses(head) for head in model.modules()
                                         if "loss_by_feat" in vars(head) and hasattr(head, "assigner"))
     # Before the graphs capture the network; the fusion first, so that recomputation takes the FFNs left.
-    if relu_dropout_fusion:
+    if paths.relu_dropout_fusion:
         changed["relu_dropout_fusion"] = enable_relu_dropout_fusion(model)
-    if ffn_recompute:
+    if paths.ffn_recompute:
         changed["ffn_recompute"] = enable_ffn_recompute(model)
-    if cuda_graphs:
+    if paths.cuda_graphs:
         check_mirrored_mmdet_version("fast path cuda_graphs")
-        if split_graphs_at_features is None:
-            split_graphs_at_features = _distributed_over_processes() and gradient_slots is None
-        changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split_graphs_at_features,
-                                                    gradient_slots=gradient_slots)
+        split = paths.split_graphs_at_features
+        if split is None:
+            split = _distributed_over_processes() and gradient_slots is None
+        changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split, gradient_slots=gradient_slots)
     return changed

@@ -117,13 +117,28 @@ def test_shape_problems_without_fixed_padding():
     ("sdpa", None),
 ])
 def test_rows_take_the_training_buckets_from_the_config_or_their_fast_choice(fast, expected):
-    from deform_plugin.benchmarks.detector.configs import load_config, resolve_fast_paths
+    from deform_plugin.benchmarks.detector.configs import RowSpeedups, load_config, resolve_fast_paths
     from deform_plugin.benchmarks.detector.rows import parse_row
     cfg = load_config(str(ROOT / "configs" / "fast" / "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"), None,
                       plugin=True)
-    switches = resolve_fast_paths(cfg, parse_row(f"pytorch:fp32:{fast}"))
-    assert switches.get("shape_buckets") == expected
-    assert resolve_fast_paths(cfg, parse_row("stock:fp32")) == {}
+    speedups = resolve_fast_paths(cfg, parse_row(f"pytorch:fp32:{fast}"))
+    assert speedups.bucket_divisor == expected
+    assert resolve_fast_paths(cfg, parse_row("stock:fp32")) == RowSpeedups()
+
+
+def test_rows_name_the_fast_paths_by_their_switches():
+    from deform_plugin.benchmarks.detector.configs import load_config, resolve_fast_paths
+    from deform_plugin.benchmarks.detector.rows import parse_row
+    from deform_plugin.integration.mmdet_fast_paths import FastPaths
+    cfg = load_config(str(ROOT / "configs" / "fast" / "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"), None,
+                      plugin=True)
+    every = resolve_fast_paths(cfg, parse_row("triton:fp32:all"))
+    assert every.fast_paths.with_implications() == FastPaths.all_exact() and every.graph_inference
+    assert resolve_fast_paths(cfg, parse_row("triton:fp32:none")).fast_paths == FastPaths()
+    as_configured = resolve_fast_paths(cfg, parse_row("triton:fp32:config")).fast_paths
+    assert as_configured.with_implications() == FastPaths.all_exact()  # the fast DINO config selects them all
+    assert resolve_fast_paths(cfg, parse_row("triton:fp32:sdpa+graph")).fast_paths.selected() == (
+        "sdpa_attention", "cuda_graphs")
 
 
 def test_variable_sizes_follow_the_detr_random_resize():

@@ -1,0 +1,100 @@
+"""The switches of the exact fast paths: one typed object, :class:`FastPaths`, that every caller builds.
+
+``FastPathsHook`` (configs), :func:`~deform_plugin.integration.mmdet_fast_paths.apply_fast_paths` (tools) and the
+benchmarks' rows all name the switches by its fields; :meth:`FastPaths.with_implications` is the one place that
+says which switch needs which.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Optional, Tuple
+
+__all__ = ["FastPaths"]
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """Which exact fast paths a model takes; each is off unless set.
+
+    The switches change classes and methods of existing objects only (no new parameters), so checkpoints stay
+    interchangeable with stock runs. Truthy values count as on (configs may write ``1``).
+
+    Attributes:
+        sdpa_attention: mmcv ``MultiheadAttention`` bricks run PyTorch SDPA (``need_weights=False``).
+        hungarian_host_syncs: ``HungarianAssigner.assign`` builds its result on the host and copies it once,
+            without blocking; DETR-family heads take their positive/negative query indices from that host copy
+            instead of two ``nonzero()`` syncs.
+        batched_matching: every decoder layer's matching of a step in one cost pass and one copy to the host (for
+            Mask2Former with its losses made sync-free); needs ``hungarian_host_syncs``.
+        sync_free_losses: the DETR heads' per-layer loss normalisers without host syncs.
+        sync_free_forward: Deformable-DETR's, DINO's and Mask2Former's forward without host syncs (level tables
+            made on the host, the host's sizes walked instead of the device's).
+        batched_losses: every decoder layer's DETR loss (focal, L1, GIoU) of a step in one pass over all layers,
+            from the assignments solved ahead, DINO's denoising losses in one pass as well; needs
+            ``batched_matching``.
+        cuda_graphs: the network's training forward and backward replayed from CUDA graphs, one pair per input
+            shape; needs ``sync_free_forward``.
+        relu_dropout_fusion: mmcv ``FFN``'s ReLU and dropout keep one activation for backward instead of three
+            (less memory; the same outputs, random draws and gradients).
+        ffn_recompute: mmcv ``FFN`` modules without dropout keep only their input and recompute their hidden layer in
+            the backward (less memory for two more matmuls per FFN; the same outputs and gradients).
+        split_graphs_at_features: with ``cuda_graphs``, the DETRs' backbone and neck captured as a region of their
+            own, so that DistributedDataParallel all-reduces the other gradients while the backbone's backward
+            replays. None: only under DistributedDataParallel (see
+            :func:`~deform_plugin.integration.mmdet_fast_paths.apply_fast_paths`).
+    """
+
+    sdpa_attention: bool = False
+    hungarian_host_syncs: bool = False
+    batched_matching: bool = False
+    sync_free_losses: bool = False
+    sync_free_forward: bool = False
+    batched_losses: bool = False
+    cuda_graphs: bool = False
+    relu_dropout_fusion: bool = False
+    ffn_recompute: bool = False
+    split_graphs_at_features: Optional[bool] = None
+
+    def __post_init__(self):
+        for name in self.switch_names():
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.split_graphs_at_features is not None:
+            object.__setattr__(self, "split_graphs_at_features", bool(self.split_graphs_at_features))
+
+    @classmethod
+    def field_names(cls) -> Tuple[str, ...]:
+        """Every field: the on/off switches, then ``split_graphs_at_features``."""
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    @classmethod
+    def switch_names(cls) -> Tuple[str, ...]:
+        """The on/off switches, in the order :func:`apply_fast_paths` turns them on."""
+        return tuple(name for name in cls.field_names() if name != "split_graphs_at_features")
+
+    @classmethod
+    def from_dict(cls, switches: Mapping[str, object]) -> FastPaths:
+        """The switches of a mapping such as a ``FastPathsHook`` config; a name that is no field is refused, with the
+        valid ones."""
+        unknown = sorted(set(switches) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown fast path switch{'es' if len(unknown) > 1 else ''} {', '.join(unknown)}: the "
+                             f"switches are {', '.join(cls.field_names())}")
+        return cls(**switches)
+
+    @classmethod
+    def all_exact(cls) -> FastPaths:
+        """Every switch on (each fast path is exact)."""
+        return cls(**{name: True for name in cls.switch_names()})
+
+    def with_implications(self) -> FastPaths:
+        """These switches with those they need turned on too: ``batched_losses`` needs ``batched_matching``, which
+        needs ``hungarian_host_syncs``; ``cuda_graphs`` needs ``sync_free_forward``."""
+        batched_matching = self.batched_matching or self.batched_losses
+        return dataclasses.replace(self, batched_matching=batched_matching,
+                                   hungarian_host_syncs=self.hungarian_host_syncs or batched_matching,
+                                   sync_free_forward=self.sync_free_forward or self.cuda_graphs)
+
+    def selected(self) -> Tuple[str, ...]:
+        """The switches that are on."""
+        return tuple(name for name in self.switch_names() if getattr(self, name))
