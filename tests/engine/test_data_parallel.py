@@ -1,19 +1,15 @@
 """Gradient slots for graphed regions, and FlatGradientsDataParallel: the gradients autograd would give (one
 process), the mean of the ranks' gradients (two gloo ranks), and the config-level wiring."""
 import copy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from emulated_graphs import EmulatedGraphRegion, SmallNet, forward_backward, small_region
+from gloo_ranks import run_gloo_ranks
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from gloo_ranks import run_gloo_ranks  # noqa: E402
-from test_mmdet_graphed_training import EmulatedGraphRegion, _Net, _small_region, _step  # noqa: E402
-
-from deform_plugin.engine.data_parallel import FlatGradientsDataParallel, ParameterGradientSlots  # noqa: E402
+from deform_plugin.engine.data_parallel import FlatGradientsDataParallel, ParameterGradientSlots
 
 
 def _batch(step, rows=4, seed=0):
@@ -27,7 +23,7 @@ def _trainable_grads(net):
 
 
 def test_slots_view_one_flat_buffer_per_dtype_in_parameter_order():
-    net = _Net().double()
+    net = SmallNet().double()
     net.b.float()
     slots = ParameterGradientSlots(net.parameters())
     trainable = [p for p in net.parameters() if p.requires_grad]
@@ -49,11 +45,11 @@ def test_non_contiguous_parameters_get_no_slot():
 
 
 def test_gather_moves_eager_gradients_into_the_slots_and_zero_fills_missing_ones():
-    net = _Net().double()
+    net = SmallNet().double()
     slots = ParameterGradientSlots(net.parameters())
     for flat in slots.flats:
         flat.fill_(7.0)  # what a replay of another signature may have left there
-    _step(_small_region(net), *_batch(0), 0)
+    forward_backward(small_region(net), *_batch(0), 0)
     expected = _trainable_grads(net)
     assert expected[-2] is None and expected[-1] is None  # `unused` gets none
     slots.gather()
@@ -66,7 +62,7 @@ def test_gather_moves_eager_gradients_into_the_slots_and_zero_fills_missing_ones
 @pytest.mark.parametrize("split", [False, True], ids=["one-region", "two-regions"])
 def test_replays_write_gradients_into_slots_without_autograd_accumulation(split):
     torch.manual_seed(0)
-    net = _Net().double()
+    net = SmallNet().double()
     eager_net = copy.deepcopy(net)
     slots = ParameterGradientSlots(net.parameters())
     if split:
@@ -84,14 +80,14 @@ def test_replays_write_gradients_into_slots_without_autograd_accumulation(split)
             (hidden,), _ = regions[0](x, scale)
             return regions[1](hidden)
     else:
-        regions = [EmulatedGraphRegion(_small_region(net), net, name="slotted", gradient_slots=slots)]
+        regions = [EmulatedGraphRegion(small_region(net), net, name="slotted", gradient_slots=slots)]
         call = regions[0]
-    eager = _small_region(eager_net)
+    eager = small_region(eager_net)
     for step in range(4):  # warm-up, capture, replays
         net.zero_grad(set_to_none=True)
         eager_net.zero_grad(set_to_none=True)
-        _step(call, *_batch(step), step)
-        _step(eager, *_batch(step), step)
+        forward_backward(call, *_batch(step), step)
+        forward_backward(eager, *_batch(step), step)
         for p, q in zip(net.parameters(), eager_net.parameters()):
             assert (p.grad is None) == (q.grad is None)
             if p.grad is not None:
@@ -105,19 +101,19 @@ def test_gradients_accumulated_across_replays_are_summed():
     # Without zero_grad between two backwards (gradient accumulation) a replay must not overwrite what the
     # parameters hold in their slots.
     torch.manual_seed(0)
-    net = _Net().double()
+    net = SmallNet().double()
     eager_net = copy.deepcopy(net)
     slots = ParameterGradientSlots(net.parameters())
-    region = EmulatedGraphRegion(_small_region(net), net, name="slotted", gradient_slots=slots)
-    eager = _small_region(eager_net)
+    region = EmulatedGraphRegion(small_region(net), net, name="slotted", gradient_slots=slots)
+    eager = small_region(eager_net)
     for step in range(2):  # warm-up and capture
         net.zero_grad(set_to_none=True)
-        _step(region, *_batch(step), step)
+        forward_backward(region, *_batch(step), step)
     net.zero_grad(set_to_none=True)
     eager_net.zero_grad(set_to_none=True)
     for step in (2, 3, 4):
-        _step(region, *_batch(step), step)
-        _step(eager, *_batch(step), step)
+        forward_backward(region, *_batch(step), step)
+        forward_backward(eager, *_batch(step), step)
     assert region.replays == 4
     for p, q in zip(net.parameters(), eager_net.parameters()):
         if q.grad is not None:
@@ -126,15 +122,15 @@ def test_gradients_accumulated_across_replays_are_summed():
 
 def _wrapper_worker(rank, out_dir):
     torch.manual_seed(rank)  # different weights on each rank: the wrapper broadcasts rank 0's
-    net = _Net().double()
+    net = SmallNet().double()
     net.register_buffer("running", torch.full((2,), float(rank)))
     wrapper = FlatGradientsDataParallel(net)
-    region = EmulatedGraphRegion(_small_region(net), net, name="ranked", gradient_slots=wrapper.gradient_slots)
+    region = EmulatedGraphRegion(small_region(net), net, name="ranked", gradient_slots=wrapper.gradient_slots)
     weights = [p.detach().clone() for p in net.parameters()]
     grads = []
     for step in range(4):
         net.zero_grad(set_to_none=True)
-        _step(region, *_batch(step, rows=4 + rank, seed=100 * rank), step)
+        forward_backward(region, *_batch(step, rows=4 + rank, seed=100 * rank), step)
         wrapper.average_gradients()
         grads.append(_trainable_grads(net))
     torch.save(dict(weights=weights, buffer=net.running.clone(), grads=grads,
@@ -145,18 +141,18 @@ def test_wrapper_averages_the_ranks_gradients_and_starts_from_rank_0s_weights(tm
     run_gloo_ranks(_wrapper_worker, tmp_path)
     ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
     torch.manual_seed(0)
-    net = _Net().double()
+    net = SmallNet().double()
     for rank in ranks:
         assert rank["counts"] == (1, 3)
         assert torch.equal(rank["buffer"], torch.zeros(2))
         for got, want in zip(rank["weights"], net.parameters()):
             assert torch.equal(got, want.detach())
-    eager = _small_region(net)
+    eager = small_region(net)
     for step in range(4):
         per_rank = []
         for rank in range(2):
             net.zero_grad(set_to_none=True)
-            _step(eager, *_batch(step, rows=4 + rank, seed=100 * rank), step)
+            forward_backward(eager, *_batch(step, rows=4 + rank, seed=100 * rank), step)
             per_rank.append(_trainable_grads(net))
         for rank in ranks:
             for got, *expected in zip(rank["grads"][step], *per_rank):
@@ -228,7 +224,7 @@ def test_fast_paths_hook_takes_the_wrappers_slots_and_none_under_ddp_or_off_cuda
         pass
 
     hook = FastPathsHook(cuda_graphs=True)
-    net = _Net().double()
+    net = SmallNet().double()
     assert hook._gradient_slots(net) is None  # parameters on the CPU: no graphs to write slots
     assert FastPathsHook()._gradient_slots(net) is None  # cuda_graphs off
     from mmengine.registry import MODEL_WRAPPERS

@@ -1,8 +1,6 @@
 """The FFN memory fast paths give stock's outputs, random draws and gradients bitwise: relu_dropout_fusion keeps one
 activation for backward instead of three, ffn_recompute keeps only the FFN's input."""
 import copy
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +11,6 @@ import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 from deform_plugin.integration.mmdet_fast_paths.ffn_memory import (ReLUDropout, enable_ffn_recompute,
                                                                    enable_relu_dropout_fusion, recomputed_ffn_class)
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def _ffn(ffn_drop=0.3, dtype=torch.float32, act="ReLU", num_fcs=2):

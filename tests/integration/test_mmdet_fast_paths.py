@@ -6,11 +6,12 @@
 - the sync-free loss normalisers give the stock losses.
 """
 import copy
-import sys
 from pathlib import Path
 
 import pytest
+import stock_worker
 import torch
+from gloo_ranks import run_gloo_ranks
 from mmcv.cnn.bricks.transformer import MultiheadAttention
 from torch import nn
 
@@ -18,8 +19,6 @@ import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import (apply_fast_paths, disable_sdpa_attention, enable_sdpa_attention,
                                                         sdpa_multihead_attention_class)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gloo_ranks import run_gloo_ranks  # noqa: E402
 
 
 # ---- SDPA attention brick -----------------------------------------------------------------------------------------
@@ -335,14 +334,6 @@ def test_fast_paths_refuse_another_mmdet_version(monkeypatch):
 
 # ---- sync-free forward --------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def stock_worker():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import stock_worker as worker
-    return worker
-
 
 # Both branches of the stock code (padding masks or none), each on one of the two families it serves.
 @pytest.mark.parametrize("config, padded", [
@@ -350,8 +341,7 @@ def stock_worker():
     ("configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py", True),
     ("configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py", True)],
     ids=["deformable-detr-two-stage-same-size", "dino-padded", "mask2former"])
-def test_sync_free_forward_gives_the_stock_outputs_bitwise_and_reads_no_table(config, padded, stock_worker):
-    from pathlib import Path
+def test_sync_free_forward_gives_the_stock_outputs_bitwise_and_reads_no_table(config, padded):
 
     from mmengine.config import Config
 

@@ -1,9 +1,9 @@
 """Graph inference gives eager inference's detections: the split predict exactly, the replayed graph on a GPU."""
 import copy
-import sys
 from pathlib import Path
 
 import pytest
+import stock_worker
 import torch
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
@@ -11,8 +11,6 @@ from deform_plugin.apis import enable_fast_inference
 from deform_plugin.integration.mmdet_graph_inference import GraphInference
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import stock_worker  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 CONFIGS = {"dino": "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py",

@@ -8,11 +8,16 @@
 - on a GPU, real CUDA graphs: losses and gradients over optimizer steps and two input shapes equal eager.
 """
 import copy
-import sys
 from pathlib import Path
 
 import pytest
+import stock_worker
 import torch
+from emulated_graphs import EmulatedGraphRegion
+from emulated_graphs import SmallNet as _Net
+from emulated_graphs import small_region as _small_region
+from emulated_graphs import forward_backward as _step
+from gloo_ranks import run_gloo_ranks
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
@@ -20,36 +25,11 @@ from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedRegion
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import stock_worker  # noqa: E402
-from gloo_ranks import run_gloo_ranks  # noqa: E402
 
 CONFIGS = {"deformable-detr-two-stage":
            "configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py",
            "dino": "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py",
            "mask2former": "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py"}
-
-
-class _ReRunGraph:
-    """A stand-in for a CUDA graph on the CPU: replaying runs the captured work again."""
-
-    def __init__(self, work):
-        self.work = work
-
-    def replay(self):
-        with torch.enable_grad():
-            self.work()
-
-
-class EmulatedGraphRegion(GraphedRegion):
-    device_type = "cpu"
-
-    def capture_graph(self, work):
-        # A capture launches nothing: keep the random state as it was (dropout draws at the replay only).
-        state = torch.get_rng_state()
-        work()
-        torch.set_rng_state(state)
-        return _ReRunGraph(work)
 
 
 def _detector(name, dtype=torch.float64):
@@ -167,31 +147,6 @@ def _check_replays_against_stock(name, dtype, split):
 
 
 # ---- the replay machinery, on a small region ----------------------------------------------------------------------
-
-class _Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 5)
-        self.b = nn.Linear(5, 3)
-        self.unused = nn.Linear(2, 2)
-        self.frozen = nn.Linear(3, 3).requires_grad_(False)
-
-
-def _small_region(net):
-    def fn(x, scale):
-        hidden = torch.tanh(net.a(x)) * scale[:, None]
-        out = net.frozen(net.b(hidden))
-        return dict(out=out, flags=[hidden > 0, None]), ("constant", x.shape[0])
-    return fn
-
-
-def _step(call, x, scale, grad_seed):
-    outputs, constants = call(x, scale)
-    generator = torch.Generator().manual_seed(grad_seed)
-    upstream = torch.randn(outputs["out"].shape, generator=generator, dtype=outputs["out"].dtype)
-    (outputs["out"] * upstream).sum().backward()
-    return outputs, constants
-
 
 @pytest.mark.parametrize("at_first_call", [True, False])
 def test_graphed_region_replays_equal_eager_and_accumulate_gradients(at_first_call):

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import stock_worker
 import torch
 
 import deform_plugin  # noqa: F401
@@ -13,8 +14,7 @@ from deform_plugin.models import MultiScaleDeformableAttention as PluginMSDA
 from mmcv.ops import MultiScaleDeformableAttention as StockMSDA
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "integration"))
-import stock_worker  # noqa: E402
+HELPERS = ROOT / "tests" / "helpers"
 
 FAMILY_CONFIGS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "configs").glob("*/*_deform-plugin.py"))
 # Every MSDA in these models: encoder self-attention and decoder cross-attention (DETR family) or the pixel
@@ -23,8 +23,8 @@ EXPECTED_MSDA = {"deformable-detr": 12, "dino": 12, "ddq": 12, "mask2former": 6,
 
 
 def run_stock(*args):
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "integration" / "stock_worker.py"), *args], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    result = subprocess.run([sys.executable, str(HELPERS / "stock_worker.py"), *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=600, env=dict(os.environ, PYTHONWARNINGS="ignore"))
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -75,14 +75,15 @@ def test_stock_checkpoint_loads_and_gives_same_outputs(tmp_path):
 
 
 def test_process_without_plugin_is_unchanged():
-    code = ("import sys; sys.path.insert(0, 'tests/integration'); import stock_worker; "
+    code = ("import sys; import stock_worker; "
             "stock_worker.install_bare_ext(); "
             "import mmdet.models.layers.transformer.deformable_detr_layers as layers; "
             "from mmcv.ops import MultiScaleDeformableAttention as M; from mmengine.registry import MODELS; "
             "assert layers.MultiScaleDeformableAttention is M; "
             "assert MODELS.get('MultiScaleDeformableAttention') is M; "
             "assert 'deform_plugin' not in sys.modules; print('unchanged')")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=dict(os.environ, PYTHONPATH=str(HELPERS)))
     assert result.returncode == 0 and "unchanged" in result.stdout, result.stderr[-2000:]
 
 

@@ -1,8 +1,8 @@
 """Runs in a subprocess that never imports deform_plugin: what stock mmdet builds and computes.
 
 Usage:
-    python tests/integration/stock_worker.py count CONFIG [CONFIG ...]  -> JSON {config: number of stock MSDA modules}
-    python tests/integration/stock_worker.py forward CONFIG OUT.pt       -> saves the stock model's state_dict, outputs
+    python tests/helpers/stock_worker.py count CONFIG [CONFIG ...]  -> JSON {config: number of stock MSDA modules}
+    python tests/helpers/stock_worker.py forward CONFIG OUT.pt       -> saves the stock model's state_dict, outputs
 
 Where mmcv has no compiled ops (mmcv-lite), mmcv_lite.py's placeholder ``mmcv._ext`` (not deform_plugin's stand-in:
 it serves no op) lets mmdet import; on the CPU the stock MSDA then runs mmcv's pure-PyTorch path and never calls it.
