@@ -2,19 +2,23 @@
 
 - ``MergedParamGroupsOptimWrapperConstructor`` (``optim_wrapper.constructor``): the stock per-parameter
   hyper-parameters in merged param groups, on fused/foreach optimizer kernels.
-- ``FastPathsHook`` (``custom_hooks``): SDPA attention bricks and fewer host syncs in Hungarian matching.
-- ``ShapeBucketsHook`` (``custom_hooks``): training batches padded to a few distinct shapes (not exact: more
-  padding), so that random-resize pipelines stop paying per-shape cuDNN/cuBLAS plan selection every step.
+- ``FastPathsHook`` (``custom_hooks``, :mod:`.fast_paths_hook`): the exact fast paths of the training step
+  (:class:`~deform_plugin.integration.mmdet_fast_paths.FastPaths`).
+- ``ShapeBucketsHook`` (``custom_hooks``, :mod:`.shape_buckets_hook`): training batches padded to a few distinct
+  shapes (not exact: more padding), so that random-resize pipelines stop paying per-shape cuDNN/cuBLAS plan
+  selection every step.
 - ``FlatGradientsDataParallel`` (``model_wrapper_cfg``): data parallelism that all-reduces one flat gradient buffer
   per step, into which graphed training steps write their gradients.
 - ``SyncFreeOptimWrapper`` / ``SyncFreeAmpOptimWrapper`` (``optim_wrapper.type``) and ``DeferredRuntimeInfoHook``
-  (``default_hooks.runtime_info``): no per-iteration host syncs for logging, no loss scaling for bf16.
+  (``default_hooks.runtime_info``, :mod:`.deferred_runtime_info_hook`): no per-iteration host syncs for logging,
+  no loss scaling for bf16.
 """
 from .data_parallel import FlatGradientsDataParallel, ParameterGradientSlots
-from .hooks import (DeferredRuntimeInfoHook, FastPathsHook, ShapeBucketsHook, fast_path_switches_from_config,
-                    training_size_divisor_from_config)
+from .deferred_runtime_info_hook import DeferredRuntimeInfoHook
+from .fast_paths_hook import FastPathsHook, fast_path_switches_from_config
 from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels,
                                 merge_param_groups)
+from .shape_buckets_hook import ShapeBucketsHook, training_size_divisor_from_config
 from .sync_free import DEFERRED_SCALARS, SyncFreeAmpOptimWrapper, SyncFreeOptimWrapper
 
 __all__ = [

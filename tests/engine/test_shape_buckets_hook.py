@@ -88,7 +88,7 @@ _RANK_IMAGE_SIZES = {0: [(100, 150), (90, 161)], 1: [(200, 120), (130, 140)]}
 def _one_shape_worker(rank, out_dir):
     from mmdet.structures import DetDataSample
 
-    from deform_plugin.engine.hooks import ShapeBucketsHook as Hook
+    from deform_plugin.engine.shape_buckets_hook import ShapeBucketsHook as Hook
 
     def batch():
         generator = torch.Generator().manual_seed(rank)
@@ -171,7 +171,7 @@ def test_a_single_process_leaves_the_preprocessor_unwrapped():
 
 
 def test_new_shapes_borrow_the_smallest_covering_shape_that_ran_until_seen_enough():
-    from deform_plugin.engine.hooks import ShapeBorrowing
+    from deform_plugin.engine.shape_buckets_hook import ShapeBorrowing
     borrowing = ShapeBorrowing(until_seen=3, max_pixels=1.5)
     sequence = [((768, 1024), (768, 1024)),  # nothing ran yet: runs as itself
                 ((768, 768), (768, 1024)),  # 1.33x its pixels: borrows

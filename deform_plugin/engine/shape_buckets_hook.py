@@ -1,61 +1,13 @@
-"""Hooks of the fast training step: the exact fast paths, and loss logging without per-iteration host syncs."""
+"""``ShapeBucketsHook``: training batches padded to a few distinct shapes, and borrowed larger shapes
+(``custom_hooks``)."""
 from __future__ import annotations
 
 import math
 from typing import Dict, Optional, Set, Tuple
 
-from mmengine.hooks import Hook, LoggerHook, RuntimeInfoHook
+from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.registry import HOOKS
-
-from .sync_free import DEFERRED_SCALARS
-
-
-@HOOKS.register_module()
-class FastPathsHook(Hook):
-    """Switch the model to deform_plugin's exact fast paths before training, validation or testing starts.
-
-    Add to a config::
-
-        custom_hooks = [dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True,
-                             sync_free_losses=True)]
-
-    The keys are the fields of :class:`~deform_plugin.integration.mmdet_fast_paths.FastPaths`, which says what each
-    switch does; each is off unless set, and an unknown key is refused with the valid ones. The switches change
-    classes/methods of existing objects only (no new parameters), so checkpoints stay interchangeable with stock
-    runs. With ``cuda_graphs``, unwrapped models or those under ``FlatGradientsDataParallel`` get their gradients
-    written into the parameters' slots (:mod:`deform_plugin.engine.data_parallel`).
-    """
-
-    priority = "VERY_HIGH"
-
-    def __init__(self, **switches):
-        from deform_plugin.integration.mmdet_fast_paths import FastPaths
-        self.fast_paths = FastPaths.from_dict(switches)
-
-    def _gradient_slots(self, model):
-        """Where the graphed regions write the gradients: the wrapper's slots under
-        :class:`~deform_plugin.engine.data_parallel.FlatGradientsDataParallel`, new slots for an unwrapped model,
-        none under another wrapper (DistributedDataParallel's reducer needs autograd's accumulation) or off CUDA."""
-        from mmengine.model import is_model_wrapper
-
-        from .data_parallel import ParameterGradientSlots
-        if not self.fast_paths.cuda_graphs:
-            return None
-        if is_model_wrapper(model):
-            return getattr(model, "gradient_slots", None)
-        if not any(parameter.is_cuda for parameter in model.parameters()):
-            return None  # no graphs off CUDA: the regions run eagerly
-        return ParameterGradientSlots(model.parameters())
-
-    def before_run(self, runner) -> None:
-        from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
-        from deform_plugin.ops.msda import prepare_triton_in_background
-        # The one-time host work of the first Triton call, on a thread, while the run initialises its weights and
-        # its data loader's workers start (it would otherwise fall in the first iteration).
-        prepare_triton_in_background()
-        changed = apply_fast_paths(runner.model, self.fast_paths, gradient_slots=self._gradient_slots(runner.model))
-        print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
 
 
 @HOOKS.register_module()
@@ -259,59 +211,9 @@ def _pad_batch_to(preprocessor, data: dict, target: Tuple[int, int]) -> None:
             preprocessor.pad_gt_sem_seg(samples)
 
 
-def fast_path_switches_from_config(cfg) -> dict:
-    """The switches a config's ``custom_hooks`` give :class:`FastPathsHook`, as they are set there ({} when it has
-    none); a key that is no switch is refused."""
-    from deform_plugin.integration.mmdet_fast_paths import FastPaths
-    switches = {}
-    for hook_cfg in cfg.get("custom_hooks", None) or []:
-        if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
-            switches.update({k: None if v is None else bool(v) for k, v in hook_cfg.items()
-                             if k not in ("type", "priority")})
-    FastPaths.from_dict(switches)
-    return switches
-
-
 def training_size_divisor_from_config(cfg) -> Optional[int]:
     """The ``size_divisor`` of a config's :class:`ShapeBucketsHook` (None when it has none)."""
     for hook_cfg in cfg.get("custom_hooks", None) or []:
         if hook_cfg.get("type") in ("ShapeBucketsHook", ShapeBucketsHook):
             return int(hook_cfg.get("size_divisor", 128))
     return None
-
-
-@HOOKS.register_module()
-class DeferredRuntimeInfoHook(RuntimeInfoHook):
-    """mmengine's ``RuntimeInfoHook`` that hands the losses to the message hub once per logging interval.
-
-    The stock hook calls ``.item()`` on every loss every iteration. This one keeps them (and the gradient norm of a
-    ``SyncFree*OptimWrapper``) on the device and copies them in one transfer right before the ``LoggerHook`` of the
-    same run reads them: at its interval, at the end of an epoch and at the end of training. The logged values are
-    the same; between logging iterations the hub's ``train/*`` scalars lag behind. Select it in a config with::
-
-        default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
-
-    Args:
-        interval (int, optional): Flush every this many iterations; None takes the run's ``LoggerHook`` interval.
-    """
-
-    def __init__(self, interval: Optional[int] = None):
-        super().__init__()
-        self.interval = interval
-
-    def before_train(self, runner) -> None:
-        super().before_train(runner)
-        if self.interval is None:
-            loggers = [hook for hook in runner.hooks if isinstance(hook, LoggerHook)]
-            self.interval = loggers[0].interval if loggers else 1
-        DEFERRED_SCALARS.active = True
-
-    def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs: Optional[dict] = None) -> None:
-        DEFERRED_SCALARS.end_iteration(outputs)
-        if (self.every_n_train_iters(runner, self.interval) or self.end_of_epoch(runner.train_dataloader, batch_idx)
-                or self.is_last_train_iter(runner)):
-            DEFERRED_SCALARS.flush(runner.message_hub)
-
-    def after_train(self, runner) -> None:
-        DEFERRED_SCALARS.flush(runner.message_hub)
-        DEFERRED_SCALARS.active = False
