@@ -1,7 +1,7 @@
 # The demo's tiny Deformable-DETR reading a COCO-format CocoDataset (80 classes) at a small scale: the training
 # benchmark's CPU test needs a config that both stock mmdet and deform_plugin train in seconds on the synthetic
 # COCO-like source (the demo itself reads deform_plugin's ShapesCocoDataset, which stock mmdet does not know).
-_base_ = '../../../configs/demo/deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py'
+_base_ = '../../../../configs/demo/deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py'
 
 model = dict(bbox_head=dict(num_classes=80))
 train_pipeline = [

@@ -1,0 +1,73 @@
+"""deform_plugin.benchmarks.detector.user_path (tools/benchmark_train.py): each row's command line, and one tiny CPU
+run of a stock and of our row, each through its own training script."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+from train_benchmark_cases import REPO_ROOT, SOURCE_IMAGES, TINY_COCO_CONFIG
+
+from deform_plugin.benchmarks.detector import user_path
+from deform_plugin.benchmarks.stock_process import stock_command
+
+
+def test_row_commands_use_each_sides_script(tmp_path):
+    stock = user_path.row_command(user_path.parse_row("stock:bf16"), tmp_path / "o.py", tmp_path / "w")
+    assert stock[1:3] == stock_command(user_path.STOCK_TRAIN_MODULE)
+    assert stock[-3:] == ["--amp", "--cfg-options", "optim_wrapper.dtype=bfloat16"]
+    ours = user_path.row_command(user_path.parse_row("ours:fp16"), tmp_path / "o.py", tmp_path / "w")
+    assert ours[1] == str(REPO_ROOT / "tools" / "train.py") and ours[-2:] == ["--amp-dtype", "float16"]
+    assert "--amp" not in user_path.row_command(user_path.parse_row("ours:fp32"), tmp_path / "o.py", tmp_path / "w")
+    with pytest.raises(Exception, match="side 'mmcv'.*mode 'tf32'"):
+        user_path.parse_row("mmcv:tf32")
+
+
+def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
+    ours = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2)
+    assert ours[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=2"]
+    assert ours[-2:] == ["--launcher", "pytorch"] and "--amp-dtype" in ours
+    stock = user_path.row_command(user_path.parse_row("stock:fp32"), tmp_path / "o.py", tmp_path / "w", gpus=2)
+    assert stock[5:7] == stock_command(user_path.STOCK_TRAIN_MODULE) and stock[-2:] == ["--launcher", "pytorch"]
+    bound = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2,
+                                  numa_binding="node")
+    assert bound[:6] == ours[:5] + ["--numa-binding=node"] and bound[6:] == ours[5:]
+    single = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w",
+                                   numa_binding="node")
+    assert not any("numa" in part for part in single)  # one process: nothing to bind
+
+
+@pytest.mark.parametrize("text", ["151", "a:3", "0:3", "151:0", "1:2:3"])
+def test_a_bad_profile_window_is_refused_with_its_text(text):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError, match=text):
+        user_path.parse_profile_window(text)
+
+
+def test_tiny_benchmark_runs_stock_and_our_rows(tmp_path, source, monkeypatch, capsys):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the child processes: one thread each on a small shared CPU
+    out_dir = tmp_path / "out"
+    status = user_path.main([
+        str(TINY_COCO_CONFIG), "--rows", "stock:fp32", "ours:fp32", "--iters", "3", "--first-iters", "1",
+        "--batch-size", "2", "--workers", "1", "--images", str(SOURCE_IMAGES),
+        "--data-cache", str(source.root.parent), "--out-dir", str(out_dir), "--timeout", "300"])
+    report = json.loads((out_dir / "train_benchmark.json").read_text())
+    assert status == 0, [r["error"] for r in report["results"]]
+    stock, ours = report["results"]
+    for result in (stock, ours):
+        assert result["status"] == "ok"
+        # first, first_100 (the whole of a 3-iteration run), all, steady
+        assert [w["img_per_s"] > 0 for w in result["timing"]["windows"]] == [True, True, True, True]
+        assert result["timing"]["iterations_run"] == 3 and result["timing"]["images_run"] == 6
+    assert stock["timing"]["deform_plugin_loaded"] is False
+    assert list(stock["timing"]["msda_modules"]) == ["mmcv.ops.multi_scale_deform_attn.MultiScaleDeformableAttention"]
+    assert ours["timing"]["deform_plugin_loaded"] is True
+    assert list(ours["timing"]["msda_modules"]) == ["deform_plugin.models.msda.MultiScaleDeformableAttention"]
+    rows = report["rows"]
+    assert rows[0]["speedup"] == pytest.approx(1.0) and rows[1]["speedup"] > 0
+    markdown = (out_dir / "train_benchmark.md").read_text()
+    assert "| stock:fp32 | ok |" in markdown and "| ours:fp32 | ok |" in markdown
+    assert "| img/s it 1-3 |" in markdown and "| 1-3 / steady |" in markdown  # a run shorter than 100 iterations
+    assert "| stock:fp32 | ok |" in capsys.readouterr().out  # the table is printed too
+    with open(out_dir / "train_benchmark.csv") as handle:
+        assert [r["row"] for r in csv.DictReader(handle)] == ["stock:fp32", "ours:fp32"]
