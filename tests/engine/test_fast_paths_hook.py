@@ -1,4 +1,5 @@
 """The fast paths are off unless a config selects them, and the fast configs select them."""
+from detr_heads import hungarian_assigner
 from mmcv.cnn.bricks.transformer import MultiheadAttention
 from torch import nn
 
@@ -7,19 +8,12 @@ from deform_plugin.engine import FastPathsHook, fast_path_switches_from_config
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths, sdpa_multihead_attention_class
 
 
-def _hungarian_assigner():
-    from mmdet.models.task_modules.assigners import HungarianAssigner
-    return HungarianAssigner(match_costs=[dict(type="FocalLossCost", weight=2.0),
-                                          dict(type="BBoxL1Cost", weight=5.0, box_format="xywh"),
-                                          dict(type="IoUCost", iou_mode="giou", weight=2.0)])
-
-
 class _ModelWithBricks(nn.Module):
     def __init__(self):
         super().__init__()
         self.self_attn = MultiheadAttention(embed_dims=16, num_heads=2, batch_first=True)
         self.bbox_head = nn.Module()
-        self.bbox_head.assigner = _hungarian_assigner()
+        self.bbox_head.assigner = hungarian_assigner()
 
 
 class _FakeRunner:

@@ -56,3 +56,18 @@ def _caller() -> str:
         if "/torch/" not in frame.filename and not frame.filename.endswith("host_transfers.py"):
             return frame.name
     return "?"
+
+
+def cuda_syncs_of(work) -> int:
+    """How many host syncs ``work()`` makes on CUDA (after a warm-up call), counted by the sync debug mode."""
+    import warnings
+    work()  # warm-up
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            work()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)

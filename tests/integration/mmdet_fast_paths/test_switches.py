@@ -3,7 +3,9 @@ or its fields by keyword."""
 import copy
 
 import pytest
+from detr_heads import detr_head
 from mmcv.cnn.bricks.transformer import MultiheadAttention
+from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import FAST_PATHS, FastPaths, apply_fast_paths
@@ -51,3 +53,13 @@ def test_apply_fast_paths_takes_the_object_or_its_fields_by_keyword():
     assert type(by_object) is type(by_keyword) is not MultiheadAttention
     with pytest.raises(TypeError, match="not both"):
         apply_fast_paths(brick, FastPaths(sdpa_attention=True), ffn_recompute=True)
+
+
+def test_fast_paths_refuse_another_mmdet_version(monkeypatch):
+    import mmdet
+    monkeypatch.setattr(mmdet, "__version__", "3.2.0")
+    holder = nn.Module()
+    holder.bbox_head = detr_head("dino")
+    with pytest.raises(RuntimeError, match=r"mirrors private methods of mmdet 3.3.0, but mmdet 3.2.0 is installed"):
+        apply_fast_paths(holder, batched_matching=True)
+    assert apply_fast_paths(holder, sdpa_attention=True) == {"sdpa_attention": 0}

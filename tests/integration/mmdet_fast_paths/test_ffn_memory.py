@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from small_detectors import small_detector
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
@@ -128,8 +129,7 @@ def test_relu_dropout_refuses_a_probability_outside_zero_to_one(bad):
 @pytest.mark.parametrize("name, fused, recomputed", [("deformable-detr-two-stage", 12, 0), ("dino", 0, 12)])
 def test_the_switches_reach_every_ffn_of_a_detector_that_they_apply_to(name, fused, recomputed):
     # Deformable-DETR: six encoder and six decoder FFNs with dropout 0.1 (fused); DINO's have dropout 0 (recomputed).
-    from test_mmdet_graphed_training import _detector
-    detector = _detector(name, dtype=torch.float32)
+    detector = small_detector(name, dtype=torch.float32)
     holder = nn.Module()
     holder.detector = detector
     assert apply_fast_paths(holder, relu_dropout_fusion=True, ffn_recompute=True) == {

@@ -1,0 +1,243 @@
+"""Graph-replayed training of the detectors gives the eager step's losses and gradients.
+
+- on the CPU, the captured region of Deformable-DETR two-stage, DINO (padding masks from a device tensor of image
+  sizes; DINO's denoising queries padded to a fixed count) and Mask2Former, run eagerly and replayed from emulated
+  graphs, gives the stock ``loss`` to float64 rounding (Mask2Former: float32), dropout included;
+- on a GPU, real CUDA graphs: losses and gradients over optimizer steps and two input shapes equal eager.
+"""
+import copy
+
+import pytest
+import stock_worker
+import torch
+from emulated_graphs import EmulatedGraphRegion
+from small_detectors import DETECTOR_CONFIGS, small_detector
+from torch import nn
+
+import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
+from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+
+def _training_batch(height=224, width=256, sizes=((224, 256), (200, 232)), seed=0, device="cpu",
+                    dtype=torch.float64):
+    from mmengine.structures import InstanceData
+    inputs, samples = stock_worker.detection_inputs(batch=len(sizes), height=height, width=width, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for sample, (h, w), num_gts in zip(samples, sizes, (3, 5, 2, 4)):
+        sample.set_metainfo(dict(img_shape=(h, w), ori_shape=(h, w)))
+        centre = torch.rand(num_gts, 2, generator=generator) * 0.6 + 0.2
+        half = torch.rand(num_gts, 2, generator=generator) * 0.15 + 0.05
+        boxes = torch.cat([centre - half, centre + half], 1) * torch.tensor([w, h, w, h])
+        sample.gt_instances = InstanceData(bboxes=boxes.to(device=device, dtype=dtype),
+                                           labels=torch.randint(0, 80, (num_gts,), generator=generator).to(device),
+                                           masks=_box_masks(boxes, height, width))
+    return inputs.to(device=device, dtype=dtype), samples
+
+
+def _box_masks(boxes, height, width):
+    from mmdet.structures.mask import BitmapMasks
+    rows = torch.arange(height).view(1, -1, 1)
+    cols = torch.arange(width).view(1, 1, -1)
+    x0, y0, x1, y1 = (boxes[:, i].view(-1, 1, 1) for i in range(4))
+    masks = (rows >= y0) & (rows < y1) & (cols >= x0) & (cols < x1)
+    return BitmapMasks(masks.to(torch.uint8).numpy(), height, width)
+
+
+def _loss_and_grads(detector, inputs, samples, seed=3):
+    torch.manual_seed(seed)
+    losses = detector.loss(inputs, copy.deepcopy(samples))
+    total = sum(value.sum() for value in losses.values() if isinstance(value, torch.Tensor))
+    params = [p for p in detector.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(total, params, allow_unused=True)
+    return {k: v.detach() for k, v in losses.items()}, grads
+
+
+# mmdet's Mask2Former losses compare float32 ground-truth masks with points of the default dtype: float64 fails in
+# stock mmdet. The other two run in float64.
+_TEST_DTYPES = {"deformable-detr-two-stage": torch.float64, "dino": torch.float64, "mask2former": torch.float32}
+
+
+# DINO also with its backbone and neck graphed as a region of their own, as the DETRs run under DDP (DINO's region
+# takes the most inputs; Deformable-DETR's passes the features the same way). Mask2Former keeps one region.
+@pytest.mark.parametrize("name,split", [(name, False) for name in DETECTOR_CONFIGS] + [("dino", True)])
+def test_replays_give_the_stock_losses_and_gradients_for_other_image_sizes(name, split):
+    dtype = _TEST_DTYPES[name]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # DINO's denoising generator makes its query tables with the default dtype
+    try:
+        _check_replays_against_stock(name, dtype, split)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _check_replays_against_stock(name, dtype, split):
+    stock = small_detector(name, dtype=dtype)
+    fast = copy.deepcopy(stock)
+    # Mask2Former as its fast config runs it: the replayed network feeds the one-pass matching and losses. The FFN
+    # memory paths are captured and replayed too: Deformable-DETR's twelve FFNs (dropout 0.1) fuse their ReLU and
+    # dropout, DINO's and Mask2Former's (dropout 0) recompute their hidden layers in the backward.
+    changed = apply_fast_paths(fast, cuda_graphs=True, batched_matching=name == "mask2former",
+                               relu_dropout_fusion=True, ffn_recompute=True, split_graphs_at_features=split)
+    assert changed["cuda_graphs"] == 1 and changed["sync_free_forward"] == 1  # the detector or the pixel decoder
+    assert changed["relu_dropout_fusion"] == (12 if name == "deformable-detr-two-stage" else 0)
+    assert (changed["ffn_recompute"] > 0) == (name != "deformable-detr-two-stage")
+    assert changed.get("batched_matching", 1) == 1
+    region = fast.graphed_training_region
+    regions = fast.graphed_training_regions
+    assert len(regions) == (2 if split else 1) and regions[-1] is region
+    for each in regions:
+        each.__class__ = EmulatedGraphRegion
+    if split:  # the first region differentiates the backbone's and neck's parameters, the second all the others
+        trainable = {id(p) for p in fast.parameters() if p.requires_grad}
+        features = {id(p) for m in (fast.backbone, fast.neck) for p in m.parameters() if p.requires_grad}
+        named = dict(fast.named_parameters())
+        assert {id(named[n]) for n in named if named[n].requires_grad and regions[0].parameter_filter(n)} == features
+        assert {id(named[n]) for n in named if named[n].requires_grad and regions[1].parameter_filter(n)} == (
+            trainable - features)
+    # float32: the same kernels on the same values, up to the order of gradient accumulation.
+    loss_tolerance, grad_tolerance = (dict(rtol=1e-10, atol=1e-12), dict(rtol=1e-8, atol=1e-10)) if (
+        dtype == torch.float64) else (dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6))
+    # Same padded shape, other image sizes: the first call runs the region eagerly (the warm-up), the second
+    # captures, all replay after; then another padded shape, captured at its first call.
+    for height, sizes in [(224, ((224, 256), (200, 232))), (224, ((160, 256), (224, 128))),
+                          (224, ((224, 200), (224, 256))), (192, ((192, 256), (150, 200)))]:
+        inputs, samples = _training_batch(height=height, sizes=sizes, seed=len(sizes[0]) + sizes[1][0], dtype=dtype)
+        expected, expected_grads = _loss_and_grads(stock, inputs, samples)
+        got, got_grads = _loss_and_grads(fast, inputs, samples)
+        for key in expected:
+            torch.testing.assert_close(got[key], expected[key], **loss_tolerance, msg=key)
+        for ours, theirs in zip(got_grads, expected_grads):
+            if theirs is not None:
+                torch.testing.assert_close(ours, theirs, **grad_tolerance)
+    for each in regions:
+        assert (each.eager_calls, each.replays, len(each.captured), each.first_call_captures) == (1, 3, 2, 1)
+
+
+@pytest.mark.parametrize("max_num_target", [0, 1, 3, 7, 25])
+def test_the_padded_denoising_mask_is_mmdets_for_the_real_queries(max_num_target):
+    from mmdet.models.layers import CdnQueryGenerator
+
+    from deform_plugin.integration.mmdet_fast_paths.graphed_training import (_padded_denoising_count,
+                                                                             padded_denoising_mask)
+    num_matching = 10
+    generator = CdnQueryGenerator(num_classes=80, embed_dims=32, num_matching_queries=num_matching,
+                                  group_cfg=dict(dynamic=True, num_dn_queries=20))
+    num_groups = generator.get_num_groups(max_num_target)
+    stock = generator.generate_dn_mask(max_num_target, num_groups, device="cpu")
+    num_denoising = 2 * max_num_target * num_groups
+    padded = _padded_denoising_count(generator, num_denoising)
+    # Up to 20 targets the count is fixed (2 * num_dn_queries); 25 targets make one group of 50 queries.
+    assert padded == (40 if max_num_target <= 20 else 64)
+    ours = padded_denoising_mask(num_denoising, 2 * max_num_target, padded, num_matching, "cpu")
+    real = torch.cat([torch.arange(num_denoising), torch.arange(padded, padded + num_matching)])
+    padding = torch.arange(num_denoising, padded)
+    assert torch.equal(ours[real][:, real], stock)
+    assert ours[real][:, padding].all() and ours[padding][:, real].all()
+    assert torch.equal(ours[padding][:, padding], ~torch.eye(len(padding), dtype=torch.bool))
+
+
+def test_detectors_without_the_stock_pieces_are_left_alone():
+    from deform_plugin.integration.mmdet_fast_paths.graphed_training import enable_cuda_graph_training
+    assert enable_cuda_graph_training(nn.Linear(2, 2)) is None
+    detector = small_detector("dino", dtype=torch.float32)
+    detector.loss = lambda *args: None  # a user's own loss
+    assert enable_cuda_graph_training(detector) is None
+
+
+def _without_dropout(model):
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        elif isinstance(module, nn.MultiheadAttention):  # its attention dropout is a float, not a module
+            module.dropout = 0.0
+    return model
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("name,split,slots", [(name, False, False) for name in DETECTOR_CONFIGS]
+                         + [("dino", True, False)] + [(name, False, True) for name in DETECTOR_CONFIGS])
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, slots, amp):
+    from deform_plugin.engine.data_parallel import ParameterGradientSlots
+    # Dropout off: replayed dropout draws other numbers than eager dropout.
+    eager = _without_dropout(small_detector(name, dtype=torch.float32)).cuda()
+    apply_fast_paths(eager, sync_free_forward=True)
+    graphed = copy.deepcopy(eager)
+    # As the fast configs run them (Mask2Former's one-pass matching draws stock's random points in stock's order);
+    # with gradient slots as FastPathsHook gives them to a model that DistributedDataParallel does not wrap.
+    gradient_slots = ParameterGradientSlots(graphed.parameters()) if slots else None
+    apply_fast_paths(graphed, cuda_graphs=True, batched_matching=name == "mask2former",
+                     split_graphs_at_features=split, gradient_slots=gradient_slots)
+    regions = graphed.graphed_training_regions
+    assert len(regions) == (2 if split else 1)
+    optimizer = torch.optim.SGD([p for p in eager.parameters() if p.requires_grad], lr=1e-3)
+    shapes = [(224, 256), (224, 256), (256, 224), (224, 256), (256, 224), (256, 224), (224, 256)]
+    for step, (h, w) in enumerate(shapes):
+        inputs, samples = _training_batch(h, w, sizes=((h, w), (h - 32, w - 16 * step)), seed=step, device="cuda",
+                                          dtype=torch.float32)
+        # Both models hold the same weights at every step: the graphed one gets the eager one's in place, as an
+        # optimizer would, so its replays must read the updated weights. (Stepping each model on its own
+        # gradients would compare chaotic trajectories: an untrained two-stage top-k and matching are full of
+        # near-ties that rounding differences flip.)
+        with torch.no_grad():
+            for theirs, ours in zip(eager.parameters(), graphed.parameters()):
+                ours.copy_(theirs)
+        results = []
+        for model in (eager, graphed):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(step)  # DINO's denoising queries are random
+            with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+                losses = model.loss(inputs, copy.deepcopy(samples))
+            total = sum(v.sum() for v in losses.values() if isinstance(v, torch.Tensor))
+            total.backward()
+            results.append((float(total), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+            if model is graphed and slots and step > 0:
+                # Replayed or captured: the slots are the gradients the regions computed (DINO's label embedding
+                # gets its gradient eagerly, through the denoising queries' inputs to the region).
+                from_regions = [p for region in regions for entry in region.captured.values()
+                                for p, has in zip(entry.params, entry.param_has_grad) if has]
+                assert from_regions and all(p.grad is gradient_slots.slot(p) for p in from_regions)
+        optimizer.step()
+        (eager_total, eager_grads), (graph_total, graph_grads) = results
+        # MSDA's backward adds with atomics, in any order.
+        loss_tolerance, grad_tolerance = (2e-2, 5e-2) if amp else (1e-4, 1e-3)
+        assert abs(graph_total - eager_total) <= loss_tolerance * abs(eager_total), (step, graph_total, eager_total)
+        assert len(graph_grads) == len(eager_grads)
+        num = sum(float((g - e).norm() ** 2) for g, e in zip(graph_grads, eager_grads)) ** 0.5
+        den = sum(float(e.norm() ** 2) for e in eager_grads) ** 0.5
+        assert num <= grad_tolerance * den, (step, num / den)
+    # The first shape warms up eagerly and captures at its second call; the second shape is captured at its first.
+    for region in regions:
+        assert (region.replays, len(region.captured), region.first_call_captures) == (6, 2, 1)
+        assert not region.eager_reasons and not region.first_call_capture_failures
+
+
+@pytest.mark.parametrize("num_gts", [(3, 5), (0, 4), (2, 0)], ids=["gts3-5", "gts0-4", "gts2-0"])
+def test_dino_denoising_queries_are_mmdets_without_its_blocking_copies(num_gts):
+    """The graphed DINO's denoising queries: mmdet's generator pieces, collated from the host's target counts and
+    normalised by factors copied without blocking; the same queries as mmdet's ``CdnQueryGenerator.__call__`` for
+    the same random draws, and one call left that would block on a GPU (the label noise's ``nonzero``, whose size
+    is random)."""
+    from host_transfers import HostTransferSpy
+    from mmdet.models.layers import CdnQueryGenerator
+    from mmdet.structures import DetDataSample
+    from mmengine.structures import InstanceData
+
+    from deform_plugin.integration.mmdet_fast_paths.graphed_training import _denoising_queries
+    generator = CdnQueryGenerator(num_classes=5, embed_dims=16, num_matching_queries=30,
+                                  label_noise_scale=0.5, box_noise_scale=1.0,
+                                  group_cfg=dict(dynamic=True, num_groups=None, num_dn_queries=20))
+    samples, rng = [], torch.Generator().manual_seed(sum(num_gts))
+    for count in num_gts:
+        xy = torch.rand(count, 2, generator=rng) * 40
+        sample = DetDataSample(metainfo=dict(img_shape=(64, 96)))
+        sample.gt_instances = InstanceData(bboxes=torch.cat([xy, xy + 5 + torch.rand(count, 2, generator=rng) * 20], 1),
+                                           labels=torch.randint(0, 5, (count,), generator=rng))
+        samples.append(sample)
+    torch.manual_seed(0)
+    stock_label, stock_bbox, _, stock_meta = generator(samples)
+    torch.manual_seed(0)
+    with HostTransferSpy() as spy:
+        label, bbox, group_size, meta = _denoising_queries(generator, samples)
+    assert torch.equal(label, stock_label) and torch.equal(bbox, stock_bbox)
+    assert meta == stock_meta and group_size == 2 * max(num_gts)
+    assert spy.calls == [("nonzero", "generate_dn_label_query")]

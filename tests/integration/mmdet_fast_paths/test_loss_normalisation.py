@@ -1,0 +1,59 @@
+"""sync_free_losses: the DETR heads' loss normalisers without host syncs average over ranks as stock's do (alone and
+under batched_losses)."""
+import copy
+
+import pytest
+import torch
+from detr_heads import detr_head, detr_loss_inputs, losses_and_gradients
+from gloo_ranks import run_gloo_ranks
+from torch import nn
+
+import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
+from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+
+
+_DETR_DDP_SWITCHES = {"sync-free-losses": dict(sync_free_losses=True),
+                      "batched-losses": dict(sync_free_losses=True, batched_losses=True)}
+
+
+def _detr_ddp_worker(rank, out_dir, kind, switches):
+    from host_transfers import HostTransferSpy
+    stock_head = detr_head(kind)
+    fast_head = copy.deepcopy(stock_head)
+    holder = nn.Module()
+    holder.bbox_head = fast_head
+    apply_fast_paths(holder, **_DETR_DDP_SWITCHES[switches])
+    # Each rank its own gts: the normalisers are the means of the ranks' counts.
+    inputs = detr_loss_inputs(kind, ((3, 5), (0, 4))[rank], seed=rank)
+    stock = losses_and_gradients(stock_head, inputs)
+    with HostTransferSpy() as spy:
+        fast = losses_and_gradients(fast_head, inputs)
+    torch.save(dict(stock=stock, fast=fast, transfers=spy.calls), out_dir / f"rank{rank}.pt")
+
+
+@pytest.mark.parametrize("switches", list(_DETR_DDP_SWITCHES))
+@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+def test_detr_fast_losses_average_the_normalisers_over_ranks_as_stock_without_blocking(kind, switches, tmp_path):
+    run_gloo_ranks(_detr_ddp_worker, tmp_path, kind, switches)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        (stock, stock_grads), (fast, fast_grads) = result["stock"], result["fast"]
+        assert list(fast) == list(stock)
+        for name in stock:
+            assert fast[name].shape == stock[name].shape, (rank, name)
+        if switches == "sync-free-losses":
+            # Per layer, stock's arithmetic on the same normalisers: bitwise.
+            for name in stock:
+                assert torch.equal(fast[name], stock[name]), (rank, name)
+            for name in stock_grads:
+                assert torch.equal(fast_grads[name], stock_grads[name]), (rank, name)
+            # The stock per-layer targets still block; the normalisers no longer do (new_tensor would).
+            assert not [call for call in result["transfers"] if call[1] == "detr_loss_by_feat_single_sync_free"]
+        else:
+            # Every layer at once: sums over a (layers, ...) view, each loss weight applied before the division
+            # (stock: after), a float32 rounding apart where the mean count (6 here) is not a power of two.
+            for name in stock:
+                torch.testing.assert_close(fast[name], stock[name], rtol=1e-5, atol=1e-7)
+            for name in stock_grads:
+                torch.testing.assert_close(fast_grads[name], stock_grads[name], rtol=1e-5, atol=1e-8)
+            assert result["transfers"] == [("cpu", "costs_to_host")], (rank, result["transfers"])
