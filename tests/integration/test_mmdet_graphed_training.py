@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
+from deform_plugin.cuda_graphs import CapturePolicy
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedRegion
 
@@ -42,7 +43,13 @@ class _ReRunGraph:
 
 
 class EmulatedGraphRegion(GraphedRegion):
+    """A region whose graphs re-run the captured work on the CPU; it captures a new shape of a warmed-up kind at its
+    first call (``capture_after=1``) unless given another policy."""
+
     device_type = "cpu"
+
+    def __init__(self, *args, policy=None, **kwargs):
+        super().__init__(*args, policy=policy or CapturePolicy(capture_after=1), **kwargs)
 
     def capture_graph(self, work):
         # A capture launches nothing: keep the random state as it was (dropout draws at the replay only).
@@ -130,7 +137,8 @@ def _check_replays_against_stock(name, dtype, split):
     # memory paths are captured and replayed too: Deformable-DETR's twelve FFNs (dropout 0.1) fuse their ReLU and
     # dropout, DINO's and Mask2Former's (dropout 0) recompute their hidden layers in the backward.
     changed = apply_fast_paths(fast, cuda_graphs=True, batched_matching=name == "mask2former",
-                               relu_dropout_fusion=True, ffn_recompute=True, split_graphs_at_features=split)
+                               relu_dropout_fusion=True, ffn_recompute=True, split_graphs_at_features=split,
+                               capture_policy=CapturePolicy(capture_after=1))
     assert changed["cuda_graphs"] == 1 and changed["sync_free_forward"] == 1  # the detector or the pixel decoder
     assert changed["relu_dropout_fusion"] == (12 if name == "deformable-detr-two-stage" else 0)
     assert (changed["ffn_recompute"] > 0) == (name != "deformable-detr-two-stage")
@@ -199,7 +207,7 @@ def test_graphed_region_replays_equal_eager_and_accumulate_gradients(at_first_ca
     net = _Net().double()
     eager_net = copy.deepcopy(net)
     region = EmulatedGraphRegion(_small_region(net), net, name="test region",
-                                 capture_new_shapes_at_first_call=at_first_call)
+                                 policy=CapturePolicy(capture_after=1 if at_first_call else 2))
     eager = _small_region(eager_net)
     generator = torch.Generator().manual_seed(1)
     calls = [(torch.randn(4, 6, generator=generator, dtype=torch.float64),
@@ -234,9 +242,9 @@ class _FailingFirstCaptureRegion(EmulatedGraphRegion):
         super().__init__(*args, **kwargs)
         self.eager_shapes = set()
 
-    def _eager(self, inputs):
+    def _eager(self, inputs, key=None):
         self.eager_shapes.add(tuple(inputs[0].shape))
-        return super()._eager(inputs)
+        return super()._eager(inputs, key)
 
     def capture(self, inputs):
         if tuple(inputs[0].shape) not in self.eager_shapes:
@@ -257,17 +265,17 @@ def test_a_new_shape_whose_first_capture_fails_warms_up_and_captures_at_its_next
 
 
 def test_each_capture_logs_its_input_shapes_and_host_time(monkeypatch):
-    from deform_plugin.integration.mmdet_fast_paths import graphed_region
+    from deform_plugin.cuda_graphs import cache
     lines = []
-    monkeypatch.setattr(graphed_region, "print_log", lambda message, logger=None: lines.append(message))
+    monkeypatch.setattr(cache, "print_log", lambda message, logger=None: lines.append(message))
     net = _Net().double()
     region = EmulatedGraphRegion(_small_region(net), net, name="test region")
     for rows in (2, 2, 3, 3):
         _step(region, torch.randn(rows, 6, dtype=torch.float64), torch.rand(rows, dtype=torch.float64), 0)
     assert len(lines) == 2, lines  # one line per capture, none per replay
     for line, shapes in zip(lines, ("[[2, 6], [2]]", "[[3, 6], [3]]")):
-        assert line.startswith(f"deform_plugin: test region captured inputs {shapes} in "), line
-        assert "(all captures so far: forward" in line and "instantiating graphs)" in line
+        assert line.startswith(f"deform_plugin: test region inputs {shapes} captured in "), line
+        assert "s capturing" in line and "MiB added" in line
 
 
 def test_a_new_kind_of_call_warms_up_eagerly_before_its_capture():
@@ -423,7 +431,8 @@ def test_a_capture_out_of_memory_is_retried_once_after_releasing_cached_memory(f
 
 def test_max_graphs_bounds_the_captured_signatures():
     net = _Net().double()
-    region = EmulatedGraphRegion(_small_region(net), net, name="test region", max_graphs=1)
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region",
+                                 policy=CapturePolicy(capture_after=1, max_graphs=1))
     for rows in (2, 2, 3, 3, 3):
         _step(region, torch.randn(rows, 6, dtype=torch.float64), torch.rand(rows, dtype=torch.float64), 0)
     assert len(region.captured) == 1 and region.replays == 1
@@ -541,7 +550,8 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, slo
     # with gradient slots as FastPathsHook gives them to a model that DistributedDataParallel does not wrap.
     gradient_slots = ParameterGradientSlots(graphed.parameters()) if slots else None
     apply_fast_paths(graphed, cuda_graphs=True, batched_matching=name == "mask2former",
-                     split_graphs_at_features=split, gradient_slots=gradient_slots)
+                     split_graphs_at_features=split, gradient_slots=gradient_slots,
+                     capture_policy=CapturePolicy(capture_after=1))
     regions = graphed.graphed_training_regions
     assert len(regions) == (2 if split else 1)
     optimizer = torch.optim.SGD([p for p in eager.parameters() if p.requires_grad], lr=1e-3)

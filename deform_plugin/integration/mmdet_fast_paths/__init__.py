@@ -67,7 +67,7 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
                      sync_free_forward: bool = False, batched_losses: bool = False,
                      cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
                      ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None,
-                     gradient_slots=None) -> Dict[str, int]:
+                     gradient_slots=None, capture_policy=None) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
     ``batched_matching`` builds on ``hungarian_host_syncs`` and turns it on too; ``batched_losses`` builds on
@@ -75,7 +75,8 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
     run is distributed over more than one process without ``gradient_slots``, i.e. under DistributedDataParallel)
     gives the DETRs' backbone and neck a graphed region of their own; ``gradient_slots`` (never with
     DistributedDataParallel) let the graphed regions hand the parameters their gradients without autograd's
-    per-parameter accumulation (see :func:`.graphed_training.enable_cuda_graph_training`).
+    per-parameter accumulation (see :func:`.graphed_training.enable_cuda_graph_training`). ``capture_policy``
+    (a :class:`deform_plugin.cuda_graphs.CapturePolicy`) says when ``cuda_graphs`` captures an input shape.
     """
     batched_matching = batched_matching or batched_losses
     sync_free_forward = sync_free_forward or cuda_graphs
@@ -109,5 +110,5 @@ def apply_fast_paths(model: nn.Module, sdpa_attention: bool = False, hungarian_h
         if split_graphs_at_features is None:
             split_graphs_at_features = _distributed_over_processes() and gradient_slots is None
         changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split_graphs_at_features,
-                                                    gradient_slots=gradient_slots)
+                                                    gradient_slots=gradient_slots, policy=capture_policy)
     return changed
