@@ -148,8 +148,18 @@ def test_the_padding_keeps_the_unpadded_detections_close(dino):
     torch.testing.assert_close(ours.scores.max(), theirs.scores.max(), rtol=0.2, atol=0.02)
 
 
-def test_on_the_cpu_graph_inference_is_the_stock_predict_unpadded(dino):
-    inference = GraphInference(dino)  # CUDA graphs: a CPU input runs mmdet's own predict
+def test_where_graphs_cannot_run_inputs_are_padded_to_their_bucket_all_the_same(dino):
+    inference = GraphInference(dino, buckets=InferenceBuckets(size_divisor=64))  # CUDA graphs: none on the CPU
+    emulated = EmulatedGraphInference(dino, buckets=InferenceBuckets(size_divisor=64),
+                                      policy=CapturePolicy(capture_after=1000))
+    ours, shape = _detections(inference, 100, 120)
+    theirs, _ = _detections(emulated, 100, 120)
+    assert shape == (128, 128) and torch.equal(ours.bboxes, theirs.bboxes)
+    assert not inference.graphs.entries
+
+
+def test_without_buckets_where_graphs_cannot_run_the_predict_is_mmdets(dino):
+    inference = GraphInference(dino, buckets=None)
     inputs, samples = _inputs(100, 120)
     with torch.no_grad():
         got = inference.predict(inputs, copy.deepcopy(samples))[0]

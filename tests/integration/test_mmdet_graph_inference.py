@@ -57,7 +57,8 @@ def test_split_predict_is_the_stock_predict(name):
                 assert torch.equal(ours[key], theirs[key]), key
 
 
-def test_on_a_cpu_fast_inference_runs_the_eager_predict():
+def test_on_a_cpu_fast_inference_gives_the_eager_detections():
+    # 224 x 256 is its own 32 px bucket: no padding, the region's all-valid masks where stock passes none.
     detector = _detector("dino")
     reference = copy.deepcopy(detector)
     enable_fast_inference(detector)
@@ -66,8 +67,8 @@ def test_on_a_cpu_fast_inference_runs_the_eager_predict():
         got = _predictions(detector.predict(inputs, copy.deepcopy(samples)))
         expected = _predictions(reference.predict(inputs, copy.deepcopy(samples)))
     for ours, theirs in zip(got, expected):
-        # The SDPA attention brick differs from the stock brick by float rounding only.
-        torch.testing.assert_close(ours["bboxes"], theirs["bboxes"], rtol=1e-9, atol=1e-9)
+        # The SDPA attention brick and the masks differ from stock by float rounding only.
+        torch.testing.assert_close(ours["bboxes"], theirs["bboxes"], rtol=1e-7, atol=1e-7)
         assert torch.equal(ours["labels"], theirs["labels"])
 
 
