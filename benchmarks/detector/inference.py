@@ -122,7 +122,8 @@ def summarize(result: dict, warmup: int) -> dict:
     seconds = result["seconds"]
     steady = seconds[warmup:] or seconds
     return dict(steady_ms=1e3 * statistics.mean(steady), all_ms=1e3 * statistics.mean(seconds),
-                first_ms=1e3 * seconds[0], peak_memory_mb=result.get("peak_memory_mb"))
+                first_ms=1e3 * seconds[0], peak_memory_mb=result.get("peak_memory_mb"),
+                nonfinite_images=sum(not d["finite"] for d in result["detections"]))
 
 
 def _fmt(value, spec=".1f") -> str:
@@ -132,7 +133,7 @@ def _fmt(value, spec=".1f") -> str:
 def report(records: List[dict], info: dict, out_dir: Path) -> str:
     header = ["config", "sizes", "row", "ms/img steady", "ms/img all", "steady vs first row", "all vs first row",
               "first img ms", "graphs", "replays/eager/borrowed", "capture s", "graph MiB", "padding", "peak MiB",
-              "max score diff vs eager:fp32", "top-1 agrees with stock"]
+              "max score diff vs eager:fp32", "top-1 agrees with stock", "images with NaN/inf"]
     rows = []
     for r in records:
         if "error" in r:
@@ -145,7 +146,8 @@ def report(records: List[dict], info: dict, out_dir: Path) -> str:
                      f"{g['replays']}/{g['eager_calls']}/{g['borrowed_calls']}" if g else "-",
                      _fmt(g.get("capture_seconds"), ".2f"), _fmt(g.get("graph_memory_mb"), ".0f"),
                      f"{100 * g['padded_pixels']:.1f}%" if g else "-", _fmt(r.get("peak_memory_mb"), ".0f"),
-                     _fmt(r.get("max_score_diff"), ".2e"), _fmt(r.get("top1_vs_stock"), ".2f")])
+                     _fmt(r.get("max_score_diff"), ".2e"), _fmt(r.get("top1_vs_stock"), ".2f"),
+                     r["nonfinite_images"]])
     text = machine_line(info) + "\n\n" + markdown_table(header, rows)
     (out_dir / "inference.md").write_text(text + "\n")
     write_csv(out_dir / "inference.csv", [{k: v for k, v in r.items() if k not in ("seconds", "detections")}

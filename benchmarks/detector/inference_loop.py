@@ -69,7 +69,8 @@ def make_images(sizes: Sequence[Tuple[int, int]], seed: int = 0) -> List[np.ndar
 def _top_detections(result) -> Dict[str, list]:
     instances = result.pred_instances
     order = torch.argsort(instances.scores, descending=True)[:TOP_K]
-    return dict(scores=instances.scores[order].float().cpu().tolist(),
+    finite = bool(torch.isfinite(instances.scores).all()) and bool(torch.isfinite(instances.bboxes).all())
+    return dict(finite=finite, scores=instances.scores[order].float().cpu().tolist(),
                 bboxes=instances.bboxes[order].float().cpu().tolist(),
                 labels=instances.labels[order].cpu().tolist())
 

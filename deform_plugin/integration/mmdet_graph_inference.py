@@ -239,7 +239,11 @@ class GraphInference:
         if image_sizes is not None:
             static_sizes = self.shared.view_like(("image_sizes", role), image_sizes)
             static_sizes.copy_(image_sizes)
-        with self.graphs.capture_stream(batch_inputs.device):
+        autocast_on, autocast_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        # Autocast's cache of cast weights is off while capturing: a graph that read a cached cast would read freed
+        # memory once the caller's autocast region ends and drops its cache.
+        with self.graphs.capture_stream(batch_inputs.device), \
+                torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_on, cache_enabled=False):
             if kind not in self.warmed_on_capture_stream:
                 # Once per kind: the libraries' per-stream state (cuBLAS workspaces) exists before a capture.
                 self.region(self.detector, static_input, static_sizes)
