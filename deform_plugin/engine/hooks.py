@@ -37,6 +37,14 @@ class FastPathsHook(Hook):
             layers, from the assignments solved ahead (turns ``batched_matching`` on too); DINO's denoising losses
             in one pass as well.
         cuda_graphs (bool): the network's training forward and backward replayed from CUDA graphs, per input shape.
+        graph_capture_after (int, optional): with ``cuda_graphs``, the call at which an input shape is captured
+            (``CapturePolicy.capture_after``). None (the default): 1 where the run pads its batches with
+            :class:`ShapeBucketsHook` (shapes recur by construction: a new one is captured at its first call), else
+            2 (a random-resize pipeline's shapes rarely recur: a shape seen once runs eagerly).
+        max_graphs (int): with ``cuda_graphs``, input shapes captured at most; later new shapes run eagerly.
+        max_graph_memory_mb (float, optional): with ``cuda_graphs``, the device memory the captures may add, MiB.
+        precompile_triton (bool): compile the model's Triton MSDA kernels in background processes while the run
+            starts (default True; see :mod:`deform_plugin.ops.msda.precompile`).
         split_graphs_at_features (bool, optional): with ``cuda_graphs``, the DETRs' backbone and neck captured as a
             region of their own, so that DistributedDataParallel all-reduces the other gradients while the
             backbone's backward replays. None (the default): only under DistributedDataParallel. Unwrapped or
@@ -53,7 +61,18 @@ class FastPathsHook(Hook):
     def __init__(self, sdpa_attention: bool = False, hungarian_host_syncs: bool = False,
                  batched_matching: bool = False, sync_free_losses: bool = False, sync_free_forward: bool = False,
                  batched_losses: bool = False, cuda_graphs: bool = False, relu_dropout_fusion: bool = False,
-                 ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None):
+                 ffn_recompute: bool = False, split_graphs_at_features: Optional[bool] = None,
+                 graph_capture_after: Optional[int] = None, max_graphs: int = 64,
+                 max_graph_memory_mb: Optional[float] = None, precompile_triton: bool = True):
+        from deform_plugin.cuda_graphs import CapturePolicy
+
+        # Checked now, so that a bad value fails when the config is built.
+        CapturePolicy(capture_after=graph_capture_after or 1, max_graphs=max_graphs,
+                      max_graph_memory_mb=max_graph_memory_mb)
+        self.graph_capture_after = graph_capture_after
+        self.max_graphs = max_graphs
+        self.max_graph_memory_mb = max_graph_memory_mb
+        self.precompile_triton = bool(precompile_triton)
         self.switches = dict(sdpa_attention=bool(sdpa_attention), hungarian_host_syncs=bool(hungarian_host_syncs),
                              batched_matching=bool(batched_matching), sync_free_losses=bool(sync_free_losses),
                              sync_free_forward=bool(sync_free_forward), batched_losses=bool(batched_losses),
@@ -77,16 +96,31 @@ class FastPathsHook(Hook):
             return None  # no graphs off CUDA: the regions run eagerly
         return ParameterGradientSlots(model.parameters())
 
+    def capture_policy(self, runner):
+        """The graphs' capture policy for this run (see ``graph_capture_after``)."""
+        from deform_plugin.cuda_graphs import CapturePolicy
+        capture_after = self.graph_capture_after
+        if capture_after is None:
+            padded_to_buckets = any(isinstance(hook, ShapeBucketsHook) for hook in getattr(runner, "hooks", ()))
+            capture_after = 1 if padded_to_buckets else 2
+        return CapturePolicy(capture_after=capture_after, max_graphs=self.max_graphs,
+                             max_graph_memory_mb=self.max_graph_memory_mb)
+
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         from deform_plugin.ops.msda import prepare_triton_in_background
+        if self.precompile_triton:
+            from .triton_precompile import precompile_model_kernels
+            precompile_model_kernels(runner.model, getattr(runner, "optim_wrapper", None))
         # The one-time host work of the first Triton call, on a thread, while the run initialises its weights and
         # its data loader's workers start (it would otherwise fall in the first iteration).
         prepare_triton_in_background()
+        policy = self.capture_policy(runner) if self.switches["cuda_graphs"] else None
         changed = apply_fast_paths(runner.model, **self.switches,
                                    split_graphs_at_features=self.split_graphs_at_features,
-                                   gradient_slots=self._gradient_slots(runner.model))
-        print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
+                                   gradient_slots=self._gradient_slots(runner.model), capture_policy=policy)
+        graphs = f"; graphs: {policy}" if policy is not None else ""
+        print_log(f"deform_plugin fast paths: {changed or 'none selected'}{graphs}", logger="current")
 
 
 @HOOKS.register_module()
