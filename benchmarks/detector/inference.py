@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", default="bench_results/inference", help="JSON, CSV and PNG go here "
                         "(default: bench_results/inference)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per row (default: 900)")
+    parser.add_argument("--cold-triton-cache", dest="warm_triton_cache", action="store_false",
+                        help="do not compile the Triton kernels before the rows: the first row of each dtype then "
+                             "compiles them in its first image (default: compiled first, as a second run finds them)")
     policy = parser.add_argument_group("graph rows' policy and buckets (default: the library's)")
     policy.add_argument("--capture-after", type=int, help="a shape is captured at this call")
     policy.add_argument("--max-graphs", type=int, help="graphs kept at most")
@@ -78,8 +81,8 @@ def _overrides(args) -> Dict[str, dict]:
     return dict(policy=policy, buckets=buckets)
 
 
-def save_random_weights(config: str, path: Path, seed: int) -> None:
-    """One set of random weights for every row (ours and stock name their parameters alike)."""
+def save_random_weights(config: str, path: Path, seed: int):
+    """One set of random weights for every row (ours and stock name their parameters alike); returns the model."""
     import torch
 
     import deform_plugin  # noqa: F401  (before mmdet: the mmcv-lite stand-in)
@@ -88,6 +91,22 @@ def save_random_weights(config: str, path: Path, seed: int) -> None:
     model = init_detector(config, None, device="cpu")
     # The classes go along, so that mmdet's init_detector need not build the config's dataset to find them.
     torch.save({"state_dict": model.state_dict(), "meta": {"dataset_meta": dict(model.dataset_meta)}}, path)
+    return model
+
+
+def compile_triton_kernels(model, dtypes: Sequence[str]) -> Optional[float]:
+    """Every Triton MSDA variant ``model`` launches in ``dtypes``, compiled into the on-disk cache by parallel
+    processes before any row is timed (as a user's second run finds them); the wall seconds, None off CUDA."""
+    import torch
+
+    from deform_plugin.engine.triton_precompile import model_msda_variants
+    from deform_plugin.ops.msda.precompile import precompile_in_background
+    if not torch.cuda.is_available():
+        return None
+    started = time.perf_counter()
+    for process in precompile_in_background(model_msda_variants(model, dtypes), backward=False):
+        process.wait()
+    return time.perf_counter() - started
 
 
 def run_row(spec: dict, scratch: Path, timeout: float) -> dict:
@@ -201,7 +220,14 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
         for config in args.configs:
             name = Path(config).stem
             weights = scratch / f"{name}.pth"
-            save_random_weights(config, weights, args.seed)
+            model = save_random_weights(config, weights, args.seed)
+            dtypes = sorted({MODES[mode] or "float32" for kind, mode in rows if kind != "stock"})
+            if args.warm_triton_cache:
+                seconds = compile_triton_kernels(model, dtypes)
+                if seconds is not None:
+                    print(f"{name}: Triton kernels of {', '.join(dtypes)} compiled in {seconds:.1f} s (parallel "
+                          "processes)", flush=True)
+            del model
             for sizes in args.sizes:
                 group = []
                 for kind, mode in rows:

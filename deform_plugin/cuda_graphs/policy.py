@@ -67,9 +67,10 @@ class InferenceBuckets:
     ``borrow_max_pixels`` times its pixels): the input is padded further and that graph replays, which costs the
     extra pixels' GPU time instead of an eager call's host time. Where the model's test pipeline resizes to a known
     largest size, ``canvases`` (for example ``(800, 1344)`` and ``(1344, 800)``) give a few shapes that every input
-    fits in: a bucket that can borrow nothing runs on the smallest canvas that covers it once that canvas has
-    earned its graph, so that a stream of sizes that never repeat still replays graphs. A bucket that borrows
-    earns a graph of its own at its ``own_graph_after``-th call (padding it less).
+    fits in: a bucket that can borrow nothing runs on the smallest canvas that covers it, captured at its first
+    call (every input of its orientation fits it, so it recurs by construction), so that a stream of sizes that
+    never repeat still replays graphs. A bucket that borrows earns a graph of its own at its ``own_graph_after``-th
+    call (padding it less).
 
     Detections at a bucket equal those of the unpadded input up to the padding's effect on the features near the
     image border (DETR-family detectors mask padded pixels out of attention; convolutions still see them as zeros).
@@ -85,7 +86,7 @@ class InferenceBuckets:
     size_divisor: int = 32
     canvases: Tuple[Shape, ...] = ()
     borrow_max_pixels: float = 1.5
-    own_graph_after: int = 4
+    own_graph_after: int = 2
 
     def __post_init__(self):
         _positive_int("InferenceBuckets", "size_divisor", self.size_divisor)

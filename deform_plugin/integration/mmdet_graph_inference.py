@@ -15,7 +15,7 @@ serves every image of its bucket. Which shape a call runs at, and whether it is 
 2. its own capture, once the bucket has earned it (:class:`~deform_plugin.cuda_graphs.CapturePolicy`'s
    ``capture_after`` calls; ``own_graph_after`` calls where a larger graph can serve it meanwhile);
 3. a larger captured shape that covers it within ``borrow_max_pixels``, or the captured canvas that covers it;
-4. the canvas's capture, once the canvas has earned it (every input it covers counts);
+4. the canvas's capture (at its first call: every input of its orientation fits it);
 5. otherwise eagerly, at the bucket.
 
 A shape seen once never pays a capture, no graph is ever dropped to make room for another (past ``max_graphs`` or
@@ -207,7 +207,8 @@ class GraphInference:
             self.borrowed_calls += 1
             return stand_in, False
         if not first_of_kind and canvas is not None and canvas != bucket:
-            if graphs.earns_capture(kind + (canvas,), kind):
+            # Every input of the canvas's orientation fits it: it recurs by construction, so it is captured at once.
+            if graphs.earns_capture(kind + (canvas,), kind, capture_after=1):
                 self.borrowed_calls += 1
                 return canvas, True
         return bucket, False
