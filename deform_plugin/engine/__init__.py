@@ -3,6 +3,8 @@
 - ``MergedParamGroupsOptimWrapperConstructor`` (``optim_wrapper.constructor``): the stock per-parameter
   hyper-parameters in merged param groups, on fused/foreach optimizer kernels.
 - ``FastPathsHook`` (``custom_hooks``): SDPA attention bricks and fewer host syncs in Hungarian matching.
+- ``FastInferenceHook`` (``custom_hooks``): validation and testing through graph inference, inputs padded to
+  buckets.
 - ``ShapeBucketsHook`` (``custom_hooks``): training batches padded to a few distinct shapes (not exact: more
   padding), so that random-resize pipelines stop paying per-shape cuDNN/cuBLAS plan selection every step.
 - ``FlatGradientsDataParallel`` (``model_wrapper_cfg``): data parallelism that all-reduces one flat gradient buffer
@@ -11,6 +13,7 @@
   (``default_hooks.runtime_info``): no per-iteration host syncs for logging, no loss scaling for bf16.
 """
 from .data_parallel import FlatGradientsDataParallel, ParameterGradientSlots
+from .fast_inference_hook import FastInferenceHook
 from .hooks import (DeferredRuntimeInfoHook, FastPathsHook, ShapeBucketsHook, fast_path_switches_from_config,
                     training_size_divisor_from_config)
 from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels,
@@ -20,6 +23,7 @@ from .sync_free import DEFERRED_SCALARS, SyncFreeAmpOptimWrapper, SyncFreeOptimW
 __all__ = [
     "DEFERRED_SCALARS",
     "DeferredRuntimeInfoHook",
+    "FastInferenceHook",
     "FastPathsHook",
     "FlatGradientsDataParallel",
     "MergedParamGroupsOptimWrapperConstructor",
