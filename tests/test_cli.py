@@ -31,7 +31,8 @@ def test_path_problems_name_the_path(tmp_path):
     assert path_problem("config", str(tmp_path)) == f"config {str(tmp_path)!r} is a folder, not a file"
     assert path_problem("images", str(tmp_path / "file.py"), folder=True) == (
         f"images {str(tmp_path / 'file.py')!r} is not a folder")
-    assert path_problem("checkpoint", "x.pth", hint=" (pass 'none')") == "checkpoint 'x.pth' does not exist (pass 'none')"
+    assert path_problem("checkpoint", "x.pth", hint=" (pass 'none')") == (
+        "checkpoint 'x.pth' does not exist (pass 'none')")
 
 
 @pytest.mark.parametrize("text, message", [

@@ -11,7 +11,6 @@ import os
 import shutil
 import site
 import subprocess
-import sys
 import venv
 from pathlib import Path
 
