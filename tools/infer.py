@@ -111,6 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if weights is not None and not is_remote(weights):
         require_path("checkpoint", weights, hint=" (pass 'none' for random weights)")
     images = images_to_run(args.images, args.recursive)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        usage_error(f"--device {args.device}: torch sees no CUDA device here; pass --device cpu")
     if args.amp_dtype and not args.device.startswith("cuda"):
         usage_error("--amp-dtype needs a CUDA device")
     cfg = read_config(args.config)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
@@ -92,7 +93,10 @@ def test_a_folder_of_unreadable_files_exits_1(tmp_path):
     (("{config}", "none", "nowhere.jpg"), "error: image 'nowhere.jpg' does not exist"),
     (("missing.py", "none", "{images}"), "error: config 'missing.py' does not exist"),
     (("{config}", "none", "{empty}"), "error: no images in '{empty}'; pass --recursive to read their subfolders"),
-], ids=["checkpoint", "image", "config", "no-images"])
+    pytest.param(("{config}", "none", "{images}", "--device", "cuda:0"),
+                 "error: --device cuda:0: torch sees no CUDA device here; pass --device cpu",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")),
+], ids=["checkpoint", "image", "config", "no-images", "no-cuda"])
 def test_bad_input_gets_a_clear_message(images, tmp_path, args, message):
     (tmp_path / "empty" / "sub").mkdir(parents=True)
     values = dict(config=DEMO_CONFIG, images=images, empty=tmp_path / "empty")

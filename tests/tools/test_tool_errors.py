@@ -23,6 +23,8 @@ CASES = {
                                  "error: config 'nowhere.py' does not exist"),
     "benchmark-train-missing-config": (["benchmark_train.py", "nowhere.py"],
                                        "error: config 'nowhere.py' does not exist"),
+    "plot-missing-work-dir": (["plot_loss_curves.py", "nowhere", "--out", "loss.png"],
+                              "error: no */vis_data/scalars.json under 'nowhere': is it a tools/train.py work dir?"),
 }
 
 
