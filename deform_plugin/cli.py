@@ -106,8 +106,7 @@ def read_config(config_path: str, **fromfile_options) -> Config:
 def runner_keys() -> List[str]:
     """Top-level keys that mmengine's Runner reads besides the config's own: its constructor's arguments, and the
     keys that mmengine's config handling and mmdet's tools read."""
-    from mmengine.runner import Runner as MMEngineRunner
-    arguments = [name for name in inspect.signature(MMEngineRunner.__init__).parameters if name != "self"]
+    arguments = [name for name in inspect.signature(Runner.__init__).parameters if name != "self"]
     return arguments + ["runner_type", "custom_imports", "default_scope", "launcher"]
 
 
