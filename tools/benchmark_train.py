@@ -14,9 +14,21 @@ Stock rows need mmcv with its compiled ops on a GPU. The table (steady-state img
 run, whole-run and first-20 img/s, our kernel compile count, peak memory, speedup) is printed and written with
 JSON, CSV and the rows' logs and overlay configs into ``--out-dir``. See ``benchmarks/detector/user_path.py``.
 """
-import sys
+import os
 
-from benchmarks.detector.user_path import main
+# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning (deform_plugin/cpu_threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import sys  # noqa: E402
+
+from benchmarks.detector.user_path import build_parser, main
+
+from deform_plugin.cli import require_path
 
 if __name__ == "__main__":
+    # Parsed here too, for the checks that need deform_plugin: the benchmarks package must import without it (its
+    # stock rows run in processes that never import deform_plugin). Each row's training process sets its own
+    # threads, as tools/train.py does.
+    for config in build_parser().parse_args(sys.argv[1:]).configs:
+        require_path("config", str(config))
     sys.exit(main(sys.argv[1:]))

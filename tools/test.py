@@ -8,7 +8,12 @@ mmengine writes. mmdet's ``--tta`` is not offered.
 """
 from __future__ import annotations
 
-import argparse
+import os
+
+# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning (deform_plugin/cpu_threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
 import sys
 from typing import Optional, Sequence
 
@@ -17,7 +22,8 @@ from mmdet.engine.hooks.utils import trigger_visualization_hook
 from mmdet.evaluation import DumpDetResults
 from mmdet.utils import setup_cache_size_limit_of_dynamo
 
-from deform_plugin.cli import build_runner, load_config, parse_with_common_arguments
+from deform_plugin.cli import build_runner, load_config, parse_with_common_arguments, require_checkpoint
+from deform_plugin.cpu_threads import configure_cpu_threads
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -41,6 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     setup_cache_size_limit_of_dynamo()
     cfg = load_config(args.config, args.work_dir, args.cfg_options, args.launcher)
+    require_checkpoint(args.checkpoint)
     cfg.load_from = args.checkpoint
     if args.show or args.show_dir:
         cfg = trigger_visualization_hook(cfg, args)
@@ -51,4 +58,5 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
+    configure_cpu_threads()
     main(sys.argv[1:])

@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rows", nargs="+", type=parse_row, default=[parse_row(r) for r in DEFAULT_ROWS],
                         help="SIDE:MODE[:no-buckets][:cold] rows, SIDE in stock|ours, MODE in fp32|fp16|bf16; "
                              "no-buckets removes the config's ShapeBucketsHook, cold gives the row an empty Triton "
-                             "cache; the first row is the speedup baseline (default: %(default)s)")
+                             f"cache; the first row is the speedup baseline (default: {' '.join(DEFAULT_ROWS)})")
     parser.add_argument("--iters", type=int, default=Settings.iters, help="training iterations per row")
     parser.add_argument("--batch-size", type=int, default=Settings.batch_size, help="images per iteration")
     parser.add_argument("--workers", type=int, default=Settings.workers, help="dataloader workers")

@@ -7,6 +7,7 @@
 - :mod:`.mmdet_focal_loss`: bf16 logits through mmcv's compiled focal loss;
 - :mod:`.mmdet_fast_paths`: the exact fast paths of a training step (opt-in, per model).
 - :mod:`.mmdet_detr_onnx`: ONNX export of the DETR-family detectors and its check in ONNX Runtime (tools only).
+- :mod:`.mmdet_inferencer`: mmdet's ``DetInferencer`` with the model's own class names (tools only).
 """
 import importlib.util
 
