@@ -1,16 +1,19 @@
 """Detect objects in images with a swapped detector at graph speed; draw the boxes (mmdet's DetInferencer outputs).
 
     python tools/infer.py CONFIG CHECKPOINT IMAGES... [--out-dir DIR] [--recursive] [--device cuda:0]
-                          [--score-thr 0.3] [--amp-dtype {float16,bfloat16}] [--eager] [--max-graphs N]
+                          [--score-thr 0.3] [--amp-dtype {float16,bfloat16}] [--eager | --no-buckets]
+                          [--max-graphs N]
 
 IMAGES are files or folders (with --recursive, their subfolders too). Writes ``DIR/vis/<image>`` (the image with its
 detections drawn) and ``DIR/preds/<image stem>.json`` (boxes, scores, labels), as mmdet's ``DetInferencer`` does,
 keeping each image's path relative to the folder the inputs share (``a/x.jpg`` and ``b/x.jpg`` do not overwrite
 each other). A file that is not a readable image (truncated, not an image at all) is skipped with a warning and
 counted; grayscale and 16-bit images are converted as mmdet's image loading converts them. Class names come from
-the checkpoint, else from the config's dataset. On CUDA each input size's forward is captured in a CUDA graph on
-its first image (``deform_plugin.apis.enable_fast_inference``); ``--eager`` runs mmdet's plain inference instead,
-for comparison.
+the checkpoint, else from the config's dataset. On CUDA the detector runs through
+``deform_plugin.apis.enable_fast_inference``: each image is padded to a bucket (32 px steps, or the largest size of
+the test pipeline), and a bucket's forward is replayed from a CUDA graph once it recurs; a size seen once runs
+eagerly, never paying a capture. ``--no-buckets`` keeps mmdet's padding (a graph per exact size); ``--eager`` runs
+mmdet's plain inference instead, for comparison.
 """
 from __future__ import annotations
 
@@ -47,8 +50,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--score-thr", type=float, default=0.3, help="draw detections scoring at least this "
                         "(default: 0.3)")
     parser.add_argument("--amp-dtype", choices=("float16", "bfloat16"), help="run the model under autocast")
-    parser.add_argument("--eager", action="store_true", help="no CUDA graphs: mmdet's own inference")
-    parser.add_argument("--max-graphs", type=int, default=4, help="input sizes kept as CUDA graphs (default: 4)")
+    graphs = parser.add_mutually_exclusive_group()
+    graphs.add_argument("--eager", action="store_true", help="no CUDA graphs: mmdet's own inference")
+    graphs.add_argument("--no-buckets", action="store_true",
+                        help="CUDA graphs without padding inputs to buckets: a graph per exact input size")
+    parser.add_argument("--max-graphs", type=int, default=16,
+                        help="input shapes kept as CUDA graphs; later new shapes run eagerly (default: 16)")
     return parser.parse_args(argv)
 
 
@@ -116,10 +123,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.amp_dtype and not args.device.startswith("cuda"):
         usage_error("--amp-dtype needs a CUDA device")
     cfg = read_config(args.config)
+    from deform_plugin.apis import CapturePolicy, enable_fast_inference
+    try:
+        policy = CapturePolicy(max_graphs=args.max_graphs)
+    except ValueError as error:
+        usage_error(f"--max-graphs: {error}")
 
     from tqdm import tqdm
 
-    from deform_plugin.apis import enable_fast_inference
     from deform_plugin.integration.mmdet_inferencer import NamedClassesInferencer
     inferencer = NamedClassesInferencer(model=cfg, weights=weights, device=args.device, show_progress=False)
     classes = inferencer.model.dataset_meta["classes"]
@@ -131,7 +142,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     graphs = False
     if not args.eager and args.device.startswith("cuda"):
         try:
-            enable_fast_inference(inferencer.model, max_graphs=args.max_graphs)
+            enable_fast_inference(inferencer.model, policy=policy,
+                                  **(dict(buckets=None) if args.no_buckets else {}))
             graphs = True
         except TypeError as error:
             print(f"note: {error}; running mmdet's plain inference", file=sys.stderr)

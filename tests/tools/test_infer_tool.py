@@ -103,3 +103,16 @@ def test_bad_input_gets_a_clear_message(images, tmp_path, args, message):
     result = _run(*(a.format(**values) for a in args))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1] == message.format(**values)
+
+
+
+def test_a_bad_graph_cap_is_a_usage_error(images, tmp_path):
+    result = _run(DEMO_CONFIG, "none", images, "--out-dir", tmp_path, "--device", "cpu", "--max-graphs", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: --max-graphs: CapturePolicy: max_graphs must be an int >= 1, got 0")
+
+
+def test_eager_and_no_buckets_exclude_each_other(images, tmp_path):
+    result = _run(DEMO_CONFIG, "none", images, "--out-dir", tmp_path, "--eager", "--no-buckets")
+    assert result.returncode == 2 and "not allowed with argument" in result.stderr
