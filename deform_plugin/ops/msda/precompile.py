@@ -62,8 +62,10 @@ def run_variant(variant: MSDAVariant, device="cuda", backward: bool = True) -> t
             backward)
     batch, queries = 1, 5
     value = tensor(batch, int(sizes.sum()), variant.num_heads, variant.head_dim)
+    # Reference points stay float32 whatever the compute dtype: under autocast the DETRs make them outside any
+    # matmul. Their dtype is part of the compiled variant's key.
     reference = torch.rand(batch, queries, variant.num_levels, variant.reference_dim,
-                           generator=generator).to(device=device, dtype=dtype)
+                           generator=generator).to(device=device)
     offsets = tensor(batch, queries, variant.num_heads, variant.num_levels, variant.num_points, 2)
     logits = tensor(batch, queries, variant.num_heads, variant.num_levels, variant.num_points)
     output = fused_multi_scale_deformable_attn(value, spatial_shapes, level_start_index, reference, offsets, logits,
