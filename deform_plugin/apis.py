@@ -18,9 +18,9 @@ from typing import Dict, Optional
 
 from .cuda_graphs import CapturePolicy, InferenceBuckets
 from .integration.mmdet_fast_paths import apply_fast_paths
-from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference
+from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
 
-__all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference"]
+__all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference", "throughput_buckets"]
 
 
 def enable_fast_inference(model, policy: Optional[CapturePolicy] = None,
@@ -29,9 +29,10 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None,
 
     Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``) and the SDPA attention
     bricks, then replays each input shape's forward from a CUDA graph (:class:`GraphInference`): inputs are padded
-    to ``buckets`` (default: 32 px steps, and the test pipeline's largest image as a canvas per orientation; None:
-    no padding), a shape is captured once it recurs, and shapes beyond the ``policy``'s caps run eagerly (default:
-    captured at the second call, at most 16 graphs). On a CPU the model runs as before. Returns what changed; its
+    to ``buckets`` (default: 32 px steps, borrowing a captured shape of at most 15% more pixels; None: no padding;
+    :func:`throughput_buckets` for sizes that rarely repeat, with more padding), a shape is captured once it
+    recurs, and shapes beyond the ``policy``'s caps run eagerly (default: captured at the second call, at most 16
+    graphs). On a CPU the model runs as before. Returns what changed; its
     ``'graph_inference'`` entry's ``stats()`` reports graphs, replays, eager calls and the graphs' memory.
     """
     model.eval()

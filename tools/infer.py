@@ -1,7 +1,7 @@
 """Detect objects in images with a swapped detector at graph speed; draw the boxes (mmdet's DetInferencer outputs).
 
     python tools/infer.py CONFIG CHECKPOINT IMAGES... [--out-dir DIR] [--recursive] [--device cuda:0]
-                          [--score-thr 0.3] [--amp-dtype {float16,bfloat16}] [--eager | --no-buckets]
+                          [--score-thr 0.3] [--amp-dtype {float16,bfloat16}] [--eager | --no-buckets | --canvas]
                           [--max-graphs N]
 
 IMAGES are files or folders (with --recursive, their subfolders too). Writes ``DIR/vis/<image>`` (the image with its
@@ -10,10 +10,10 @@ keeping each image's path relative to the folder the inputs share (``a/x.jpg`` a
 each other). A file that is not a readable image (truncated, not an image at all) is skipped with a warning and
 counted; grayscale and 16-bit images are converted as mmdet's image loading converts them. Class names come from
 the checkpoint, else from the config's dataset. On CUDA the detector runs through
-``deform_plugin.apis.enable_fast_inference``: each image is padded to a bucket (32 px steps, or the largest size of
-the test pipeline), and a bucket's forward is replayed from a CUDA graph once it recurs; a size seen once runs
-eagerly, never paying a capture. ``--no-buckets`` keeps mmdet's padding (a graph per exact size); ``--eager`` runs
-mmdet's plain inference instead, for comparison.
+``deform_plugin.apis.enable_fast_inference``: each image is padded to a bucket (32 px steps), and a bucket's forward is replayed from a CUDA graph once it recurs; a size seen once runs
+eagerly, never paying a capture. ``--canvas`` pads an image whose bucket has no graph into the test pipeline's
+largest size (for sizes that rarely repeat; more padding); ``--no-buckets`` keeps mmdet's padding (a graph per exact
+size); ``--eager`` runs mmdet's plain inference instead, for comparison.
 """
 from __future__ import annotations
 
@@ -54,6 +54,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     graphs.add_argument("--eager", action="store_true", help="no CUDA graphs: mmdet's own inference")
     graphs.add_argument("--no-buckets", action="store_true",
                         help="CUDA graphs without padding inputs to buckets: a graph per exact input size")
+    graphs.add_argument("--canvas", action="store_true",
+                        help="for folders whose image sizes rarely repeat: an image whose size has no graph is "
+                        "padded into the test pipeline's largest size (faster; more padding, see docs/results.md)")
     parser.add_argument("--max-graphs", type=int, default=16,
                         help="input shapes kept as CUDA graphs; later new shapes run eagerly (default: 16)")
     return parser.parse_args(argv)
@@ -123,7 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.amp_dtype and not args.device.startswith("cuda"):
         usage_error("--amp-dtype needs a CUDA device")
     cfg = read_config(args.config)
-    from deform_plugin.apis import CapturePolicy, enable_fast_inference
+    from deform_plugin.apis import CapturePolicy, enable_fast_inference, throughput_buckets
     try:
         policy = CapturePolicy(max_graphs=args.max_graphs)
     except ValueError as error:
@@ -142,8 +145,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     graphs = False
     if not args.eager and args.device.startswith("cuda"):
         try:
-            enable_fast_inference(inferencer.model, policy=policy,
-                                  **(dict(buckets=None) if args.no_buckets else {}))
+            buckets = (dict(buckets=None) if args.no_buckets else
+                       dict(buckets=throughput_buckets(inferencer.model)) if args.canvas else {})
+            enable_fast_inference(inferencer.model, policy=policy, **buckets)
             graphs = True
         except TypeError as error:
             print(f"note: {error}; running mmdet's plain inference", file=sys.stderr)

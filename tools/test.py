@@ -2,7 +2,7 @@
 
     python tools/test.py CONFIG CHECKPOINT [--work-dir DIR] [--out results.pkl] [--show] [--show-dir DIR]
                                            [--wait-time S] [--cfg-options KEY=VALUE ...] [--launcher ...]
-                                           [--fast-inference [--size-divisor 32 | --no-buckets]]
+                                           [--fast-inference [--size-divisor 32] [--canvas | --no-buckets]]
                                            [--amp-dtype {float16,bfloat16}]
 
 ``--fast-inference`` evaluates through graph inference (``FastInferenceHook``): inputs padded to buckets, each
@@ -48,10 +48,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                       "forward replayed from a CUDA graph once it recurs (on a CPU: padded, eager)")
     fast.add_argument("--size-divisor", type=int, default=32, help="bucket step in pixels (default: 32)")
     fast.add_argument("--no-buckets", action="store_true", help="graphs per exact input shape, mmdet's padding")
+    fast.add_argument("--canvas", action="store_true", help="pad an input whose bucket has no graph into the test "
+                      "pipeline's largest size (more padding: see docs/results.md)")
     parser.add_argument("--amp-dtype", choices=AMP_DTYPES, help="run the test forwards under autocast (CUDA)")
     args = parse_with_common_arguments(parser, argv)
-    if (args.no_buckets or args.size_divisor != 32) and not args.fast_inference:
-        parser.error("--no-buckets and --size-divisor apply to --fast-inference")
+    if (args.no_buckets or args.canvas or args.size_divisor != 32) and not args.fast_inference:
+        parser.error("--no-buckets, --canvas and --size-divisor apply to --fast-inference")
+    if args.no_buckets and args.canvas:
+        parser.error("--canvas pads to buckets: it does not go with --no-buckets")
     if args.size_divisor < 1:
         parser.error(f"--size-divisor must be >= 1, got {args.size_divisor}")
     import torch
@@ -73,7 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         cfg = trigger_visualization_hook(cfg, args)
     if args.fast_inference:
         cfg.custom_hooks = list(cfg.get("custom_hooks") or []) + [
-            dict(type="FastInferenceHook", size_divisor=args.size_divisor, buckets=not args.no_buckets)]
+            dict(type="FastInferenceHook", size_divisor=args.size_divisor, buckets=not args.no_buckets,
+                 **(dict(canvases="auto", borrow_max_pixels=1.7) if args.canvas else {}))]
     runner = build_runner(cfg)
     if args.out is not None:
         runner.test_evaluator.metrics.append(DumpDetResults(out_file_path=args.out))

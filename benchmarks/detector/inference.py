@@ -4,7 +4,8 @@ Rows (each in a process of its own, the same random weights and images):
 
     stock:fp32        mmdet + mmcv as installed (needs mmcv's compiled ops on a GPU)
     eager:fp32|bf16   ours, the plugin alone (mmdet's own predict)
-    graph:fp32|bf16   ours with ``deform_plugin.apis.enable_fast_inference`` (buckets, capture policy)
+    graph:fp32|bf16   ours with ``deform_plugin.apis.enable_fast_inference`` (its default buckets and policy)
+    graph-canvas:...  the same with ``throughput_buckets`` (the test pipeline's canvases: more padding)
     graph-exact:...   the same without buckets (a graph per exact input shape)
 
 For each config and size distribution the report gives ms per image after the warm-up images and over all images
@@ -28,7 +29,7 @@ from benchmarks.common import machine_info, machine_line, markdown_table, pyplot
 from benchmarks.detector.inference_loop import DISTRIBUTIONS
 
 LOOP_SCRIPT = Path(__file__).with_name("inference_loop.py")
-ROW_KINDS = ("stock", "eager", "graph", "graph-exact")
+ROW_KINDS = ("stock", "eager", "graph", "graph-canvas", "graph-exact")
 MODES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_ROWS = ("stock:fp32", "eager:fp32", "graph:fp32", "eager:bf16", "graph:bf16")
 
@@ -67,7 +68,6 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--size-divisor", type=int, help="bucket step in pixels")
     policy.add_argument("--borrow-max-pixels", type=float, help="largest pixel ratio of a borrowed graph")
     policy.add_argument("--own-graph-after", type=int, help="call at which a borrowing bucket gets its own graph")
-    policy.add_argument("--no-canvases", action="store_true", help="no canvases from the test pipeline")
     return parser
 
 
@@ -76,8 +76,6 @@ def _overrides(args) -> Dict[str, dict]:
               if getattr(args, k) is not None}
     buckets = {k: getattr(args, k) for k in ("size_divisor", "borrow_max_pixels", "own_graph_after")
                if getattr(args, k) is not None}
-    if args.no_canvases:
-        buckets["no_canvases"] = True
     return dict(policy=policy, buckets=buckets)
 
 

@@ -101,8 +101,9 @@ def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str]
 def build_row_model(spec: dict):
     """The row's detector (``palette='coco'``: mmdet's init_detector would otherwise build the config's dataset to
     read its palette): stock mmdet (``row == 'stock'``: the config's deform_plugin import dropped, mmcv's own op),
-    or ours with the plugin alone (``'eager'``) or with ``enable_fast_inference`` (``'graph'``; ``'graph-exact'``:
-    without buckets), the policy and buckets of ``spec``."""
+    or ours with the plugin alone (``'eager'``) or with ``enable_fast_inference`` (``'graph'``: its default
+    buckets; ``'graph-canvas'``: ``throughput_buckets``; ``'graph-exact'``: without buckets), with the policy and
+    bucket settings of ``spec``."""
     row, device = spec["row"], spec["device"]
     if row == "stock":
         # stock_train.py imports torch and the standard library only; run by path, it imports no package of ours.
@@ -118,18 +119,14 @@ def build_row_model(spec: dict):
     model = init_detector(spec["config"], spec["weights"], device=device, palette="coco")
     if row == "eager":
         return model, {}
-    if row not in ("graph", "graph-exact"):
-        raise ValueError(f"unknown row {row!r}; choose from stock, eager, graph, graph-exact")
-    from deform_plugin.apis import CapturePolicy, InferenceBuckets, enable_fast_inference
-    from deform_plugin.integration.mmdet_graph_inference import default_buckets
+    if row not in ("graph", "graph-canvas", "graph-exact"):
+        raise ValueError(f"unknown row {row!r}; choose from stock, eager, graph, graph-canvas, graph-exact")
+    from deform_plugin.apis import CapturePolicy, InferenceBuckets, enable_fast_inference, throughput_buckets
     policy = CapturePolicy(**spec.get("policy", {}))
     buckets = None
-    if row == "graph":
-        buckets = default_buckets(model)
-        overrides = dict(spec.get("buckets", {}))
-        if overrides.pop("no_canvases", False):
-            overrides["canvases"] = ()
-        buckets = InferenceBuckets(**dict(vars(buckets), **overrides))
+    if row != "graph-exact":
+        buckets = throughput_buckets(model) if row == "graph-canvas" else InferenceBuckets()
+        buckets = InferenceBuckets(**dict(vars(buckets), **spec.get("buckets", {})))
     changed = enable_fast_inference(model, policy=policy, buckets=buckets)
     return model, changed
 

@@ -65,15 +65,19 @@ class InferenceBuckets:
     An input of ``height`` x ``width`` pixels runs at its *bucket*: both sides rounded up to a multiple of
     ``size_divisor``. A bucket without a graph of its own may *borrow* a captured graph of a larger shape (at most
     ``borrow_max_pixels`` times its pixels): the input is padded further and that graph replays, which costs the
-    extra pixels' GPU time instead of an eager call's host time. Where the model's test pipeline resizes to a known
-    largest size, ``canvases`` (for example ``(800, 1344)`` and ``(1344, 800)``) give a few shapes that every input
-    fits in: a bucket that can borrow nothing runs on the smallest canvas that covers it, captured at its first
-    call (every input of its orientation fits it, so it recurs by construction), so that a stream of sizes that
-    never repeat still replays graphs. A bucket that borrows earns a graph of its own at its ``own_graph_after``-th
-    call (padding it less).
+    extra pixels' GPU time instead of an eager call's host time. A bucket that borrows earns a graph of its own at
+    its ``own_graph_after``-th call (padding it less).
 
-    Detections at a bucket equal those of the unpadded input up to the padding's effect on the features near the
-    image border (DETR-family detectors mask padded pixels out of attention; convolutions still see them as zeros).
+    ``canvases`` trade accuracy for throughput where sizes rarely repeat: given the largest image the model's test
+    pipeline makes (for example ``(800, 1344)`` and ``(1344, 800)``; :func:`canvases_from_test_pipeline`), a bucket
+    that can borrow nothing runs on the smallest canvas that covers it, captured at its first call (every input of
+    its orientation fits it, so it recurs by construction), and a stream of sizes that never repeat replays graphs.
+    A canvas pads an input by up to 1.7 times its pixels.
+
+    Padding is not free for accuracy: DETR-family detectors mask padded pixels out of attention, but convolutions
+    still see them as zeros, which changes the features near the image border. The defaults keep the padding near
+    what mmdet's own batching adds (32 px steps, borrowing at most 15% more pixels, no canvases); docs/results.md
+    gives the measured effect on mAP of heavier padding.
 
     Args:
         size_divisor: both sides of an input are padded up to a multiple of this (>= 1).
@@ -85,7 +89,7 @@ class InferenceBuckets:
 
     size_divisor: int = 32
     canvases: Tuple[Shape, ...] = ()
-    borrow_max_pixels: float = 1.5
+    borrow_max_pixels: float = 1.15
     own_graph_after: int = 2
 
     def __post_init__(self):

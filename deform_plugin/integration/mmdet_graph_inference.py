@@ -14,8 +14,8 @@ serves every image of its bucket. Which shape a call runs at, and whether it is 
 1. the bucket's own graph, where it has one;
 2. its own capture, once the bucket has earned it (:class:`~deform_plugin.cuda_graphs.CapturePolicy`'s
    ``capture_after`` calls; ``own_graph_after`` calls where a larger graph can serve it meanwhile);
-3. a larger captured shape that covers it within ``borrow_max_pixels``, or the captured canvas that covers it;
-4. the canvas's capture (at its first call: every input of its orientation fits it);
+3. a larger captured shape that covers it within ``borrow_max_pixels``, or a captured canvas that covers it;
+4. where canvases are given, the canvas's capture (at its first call: every input of its orientation fits it);
 5. otherwise eagerly, at the bucket.
 
 A shape seen once never pays a capture, no graph is ever dropped to make room for another (past ``max_graphs`` or
@@ -93,16 +93,21 @@ def _split_predict(detector) -> Optional[_Split]:
     return None
 
 
-def default_buckets(detector) -> InferenceBuckets:
-    """Buckets of 32 px, with the canvases of the detector's test pipeline where ``init_detector`` or
-    ``DetInferencer`` left its config on it (``model.cfg``)."""
+def test_pipeline_canvases(detector) -> Tuple[Tuple[int, int], ...]:
+    """The canvases of the detector's test pipeline (:func:`canvases_from_test_pipeline`), where ``init_detector``
+    or ``DetInferencer`` left its config on it (``model.cfg``); () where it has none."""
     cfg = getattr(detector, "cfg", None)
-    pipeline = None
     try:
         pipeline = cfg.test_dataloader.dataset.pipeline
     except AttributeError:
         pipeline = getattr(cfg, "test_pipeline", None) if cfg is not None else None
-    return InferenceBuckets(canvases=canvases_from_test_pipeline(pipeline))
+    return canvases_from_test_pipeline(pipeline)
+
+
+def throughput_buckets(detector, borrow_max_pixels: float = 1.7) -> InferenceBuckets:
+    """Buckets for sizes that rarely repeat: the test pipeline's canvases, and borrowing up to
+    ``borrow_max_pixels`` times a bucket's pixels (more padding: see :class:`InferenceBuckets`)."""
+    return InferenceBuckets(canvases=test_pipeline_canvases(detector), borrow_max_pixels=borrow_max_pixels)
 
 
 class _CapturedForward:
@@ -123,7 +128,8 @@ class GraphInference:
         policy: when a shape earns its graph and how many are kept (default: captured at its second call, at most
             16 graphs).
         buckets: how inputs are padded so that graphs are reused (:class:`InferenceBuckets`); None: no padding, a
-            graph per exact input shape. Default: :func:`default_buckets`.
+            graph per exact input shape. Default: ``InferenceBuckets()`` (32 px steps, borrowing at most 15% more
+            pixels, no canvases); :func:`throughput_buckets` for sizes that rarely repeat.
     """
 
     # Graphs are CUDA graphs; tests emulate them on the CPU with a subclass that sets this to "cpu".
@@ -137,7 +143,7 @@ class GraphInference:
         self.detector = detector
         self.region, self.postprocess, self.takes_image_sizes = split
         self.eager_predict = type(detector).predict.__get__(detector)
-        self.buckets = default_buckets(detector) if buckets is ... else buckets
+        self.buckets = InferenceBuckets() if buckets is ... else buckets
         self.graphs = GraphCache(f"{type(detector).__name__} inference", policy or DEFAULT_INFERENCE_POLICY)
         self.shared = SharedBuffers()
         self.warmed_on_capture_stream: set = set()

@@ -30,7 +30,7 @@ def demo_model():
 
 def test_the_hook_gives_the_model_graph_inference_with_the_pipelines_canvases(demo_model):
     pipeline = [dict(type="LoadImageFromFile"), dict(type="Resize", scale=(1333, 800), keep_ratio=True)]
-    hook = FastInferenceHook(size_divisor=64, max_graphs=3)
+    hook = FastInferenceHook(size_divisor=64, max_graphs=3, canvases="auto")
     demo_model.train()
     hook.before_test(_runner(demo_model, pipeline))
     graph_inference = hook.graph_inference
@@ -39,6 +39,13 @@ def test_the_hook_gives_the_model_graph_inference_with_the_pipelines_canvases(de
     assert graph_inference.policy.max_graphs == 3 and graph_inference.buckets.size_divisor == 64
     hook.before_val(_runner(demo_model, pipeline))
     assert hook.graph_inference is graph_inference  # enabled once
+
+
+def test_by_default_inputs_are_padded_to_32_px_buckets_without_canvases(demo_model):
+    hook = FastInferenceHook()
+    hook.before_val(_runner(demo_model, [dict(type="Resize", scale=(1333, 800), keep_ratio=True)]))
+    buckets = hook.graph_inference.buckets
+    assert (buckets.size_divisor, buckets.canvases, buckets.borrow_max_pixels) == (32, (), 1.15)
 
 
 def test_without_buckets_the_inputs_keep_their_shapes(demo_model):
@@ -59,3 +66,5 @@ def test_bad_settings_fail_when_the_hook_is_built():
         FastInferenceHook(size_divisor=0)
     with pytest.raises(ValueError, match="capture_after must be an int >= 1, got 0"):
         FastInferenceHook(capture_after=0)
+    with pytest.raises(ValueError, match="canvases must be None, 'auto' or"):
+        FastInferenceHook(canvases="largest")
