@@ -13,10 +13,10 @@ from typing import List, Sequence
 
 def model_from_config(config_path: str):
     """The config's model, built on the CPU with its initial weights (no checkpoint, no download)."""
-    from mmengine.config import Config
-    from mmengine.registry import init_default_scope
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
+    from mmengine.config import Config
+    from mmengine.registry import init_default_scope
     cfg = Config.fromfile(config_path)
     register_all_modules(init_default_scope=False)
     init_default_scope(cfg.get("default_scope", "mmdet"))

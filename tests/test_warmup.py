@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_variants_of_a_configs_model():
     model = model_from_config(str(ROOT / "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py"))
     variants = model_msda_variants(model, ["float32", "bfloat16"])
-    assert sorted(variants, key=str) == sorted(
-        [MSDAVariant(8, 32, 4, 4, dtype, reference_dim) for dtype in ("float32", "bfloat16") for reference_dim in (2, 4)],
-        key=str)
+    expected = [MSDAVariant(8, 32, 4, 4, dtype, reference_dim)
+                for dtype in ("float32", "bfloat16") for reference_dim in (2, 4)]
+    assert sorted(variants, key=str) == sorted(expected, key=str)
 
 
 def test_variants_compile_one_after_another(monkeypatch):
@@ -29,4 +29,5 @@ def test_variants_compile_one_after_another(monkeypatch):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message where no CUDA device is")
 def test_without_a_gpu_warmup_says_why(capsys):
     assert run_warmup(str(ROOT / "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py"), ["float32"]) == 2
-    assert "error: warmup compiles Triton kernels for a CUDA device, and here: no CUDA device" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "error: warmup compiles Triton kernels for a CUDA device, and here: no CUDA device" in out

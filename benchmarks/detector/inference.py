@@ -82,9 +82,9 @@ def _overrides(args) -> Dict[str, dict]:
 def save_random_weights(config: str, path: Path, seed: int):
     """One set of random weights for every row (ours and stock name their parameters alike); returns the model."""
     import torch
+    from mmdet.apis import init_detector
 
     import deform_plugin  # noqa: F401  (before mmdet: the mmcv-lite stand-in)
-    from mmdet.apis import init_detector
     torch.manual_seed(seed)
     model = init_detector(config, None, device="cpu")
     # The classes go along, so that mmdet's init_detector need not build the config's dataset to find them.

@@ -2,4 +2,5 @@
 from .cache import GraphCache, SharedBuffers
 from .policy import CapturePolicy, InferenceBuckets, canvases_from_test_pipeline, smallest_covering
 
-__all__ = ["CapturePolicy", "GraphCache", "InferenceBuckets", "SharedBuffers", "canvases_from_test_pipeline", "smallest_covering"]
+__all__ = ["CapturePolicy", "GraphCache", "InferenceBuckets", "SharedBuffers", "canvases_from_test_pipeline",
+           "smallest_covering"]

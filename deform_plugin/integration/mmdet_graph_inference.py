@@ -33,8 +33,13 @@ import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from deform_plugin.cuda_graphs import (CapturePolicy, GraphCache, InferenceBuckets, SharedBuffers,
-                                       canvases_from_test_pipeline)
+from deform_plugin.cuda_graphs import (
+    CapturePolicy,
+    GraphCache,
+    InferenceBuckets,
+    SharedBuffers,
+    canvases_from_test_pipeline,
+)
 
 from .mmdet_fast_paths.graphed_training import detr_decoder, detr_encoder, image_sizes_tensor
 

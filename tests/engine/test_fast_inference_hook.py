@@ -19,9 +19,9 @@ def _runner(model, pipeline):
 
 @pytest.fixture(scope="module")
 def demo_model():
-    from mmengine.config import Config
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
+    from mmengine.config import Config
     register_all_modules()
     cfg = Config.fromfile(str(ROOT / "configs/demo/deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"))
     torch.manual_seed(0)
