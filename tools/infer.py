@@ -11,9 +11,10 @@ each other). A file that is not a readable image (truncated, not an image at all
 counted; grayscale and 16-bit images are converted as mmdet's image loading converts them. Class names come from
 the checkpoint, else from the config's dataset. On CUDA the detector runs through
 ``deform_plugin.apis.enable_fast_inference``: each image is padded to a bucket (32 px steps), and a bucket's forward
-is replayed from a CUDA graph once it recurs; a size seen once runs eagerly, never paying a capture. ``--canvas`` pads an image whose bucket has no graph into the test pipeline's
-largest size (for sizes that rarely repeat; more padding); ``--no-buckets`` keeps mmdet's padding (a graph per exact
-size); ``--eager`` runs mmdet's plain inference instead, for comparison.
+is replayed from a CUDA graph once it recurs; a size seen once runs eagerly, never paying a capture. ``--canvas``
+pads an image whose bucket has no graph into the test pipeline's largest size (for sizes that rarely repeat; more
+padding); ``--no-buckets`` keeps mmdet's padding (a graph per exact size); ``--eager`` runs mmdet's plain inference
+instead, for comparison.
 """
 from __future__ import annotations
 
