@@ -12,6 +12,11 @@ The ops (:mod:`deform_plugin.ops`) need only torch (and triton for the Triton ba
 """
 import importlib.util
 
+if importlib.util.find_spec("torch") is None:
+    # One clear line (also from `python -m deform_plugin check`) instead of an import error deep in the ops.
+    raise ImportError("deform_plugin needs PyTorch (torch >= 2.1), which this environment lacks: install torch "
+                      "first, then mmengine, mmcv (or mmcv-lite) and mmdet; see the README", name=__name__)
+
 from .integration import install_openmmlab_integration, openmmlab_installed
 from .ops import default_backend, get_default_backend, set_default_backend
 from .version import __version__

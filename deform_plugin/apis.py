@@ -8,28 +8,34 @@ Example::
 
     model = init_detector('configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py', 'dino.pth', device='cuda')
     enable_fast_inference(model)
-    result = inference_detector(model, 'demo.jpg')   # the first call of an image size warms up and captures
+    result = inference_detector(model, 'demo.jpg')   # images of any size: padded to buckets, graphs reused
 
 The same works on ``DetInferencer(...).model``.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
+from .cuda_graphs import CapturePolicy, InferenceBuckets
 from .integration.mmdet_fast_paths import apply_fast_paths
-from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference
+from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
 
-__all__ = ["GraphInference", "enable_fast_inference"]
+__all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference", "throughput_buckets"]
 
 
-def enable_fast_inference(model, max_graphs: int = 4, warmup_runs: int = 2) -> Dict[str, object]:
+def enable_fast_inference(model, policy: Optional[CapturePolicy] = None,
+                          buckets: Optional[InferenceBuckets] = ...) -> Dict[str, object]:
     """Make ``model`` (an mmdet DETR-family or MaskFormer detector, in eval mode) infer at graph speed on CUDA.
 
     Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``) and the SDPA attention
-    bricks, then captures each input signature's forward in a CUDA graph (:class:`GraphInference`): up to
-    ``max_graphs`` signatures, the others run eagerly. On a CPU the model runs as before. Returns what changed.
+    bricks, then replays each input shape's forward from a CUDA graph (:class:`GraphInference`): inputs are padded
+    to ``buckets`` (default: 32 px steps, borrowing a captured shape of at most 15% more pixels; None: no padding;
+    :func:`throughput_buckets` for sizes that rarely repeat, with more padding), a shape is captured once it
+    recurs, and shapes beyond the ``policy``'s caps run eagerly (default: captured at the second call, at most 16
+    graphs). On a CPU the model runs as before. Returns what changed; its
+    ``'graph_inference'`` entry's ``stats()`` reports graphs, replays, eager calls and the graphs' memory.
     """
     model.eval()
     changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True))
-    changed["graph_inference"] = enable_graph_inference(model, max_graphs=max_graphs, warmup_runs=warmup_runs)
+    changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
     return changed

@@ -1,14 +1,23 @@
-"""What the command lines in tools/ share: mmdet 3.3.0's train/test conventions, with deform_plugin's AMP wrapper.
+"""What the command lines in tools/ share: mmdet 3.3.0's train/test conventions, with deform_plugin's AMP wrapper,
+and the checks of what users pass.
 
 ``tools/train.py``, ``tools/test.py`` and ``tools/demo.py`` parse their own options and call these; the training
 benchmark runs ``tools/train.py`` itself, so that what it times is what users run.
+
+A mistake in a command line (a config, checkpoint or image folder that does not exist or cannot be read) ends the
+tool with one ``error:`` line naming the path and exit status 2, as argparse does, before anything is built. A
+``--cfg-options`` key whose top-level key is in neither the config nor mmengine's Runner gets a warning that names
+the closest key: mmengine would add it silently and run the config unchanged.
 """
 from __future__ import annotations
 
 import argparse
+import difflib
+import inspect
 import os
 import os.path as osp
-from typing import Optional, Sequence
+import sys
+from typing import Iterable, List, NoReturn, Optional, Sequence
 
 import torch
 from mmengine.config import Config, DictAction
@@ -34,9 +43,112 @@ def parse_with_common_arguments(parser: argparse.ArgumentParser,
     return args
 
 
+def usage_error(message: str) -> NoReturn:
+    """End the tool as argparse ends it for a bad option: ``error: MESSAGE`` on stderr, exit status 2."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def is_remote(path: str) -> bool:
+    """Whether mmengine fetches ``path`` (``https://...``, ``torchvision://...``) rather than reading a local file."""
+    return "://" in path
+
+
+def path_problem(kind: str, path: str, folder: bool = False, hint: str = "") -> Optional[str]:
+    """Why ``path`` cannot be read as the ``kind`` file (or folder, with ``folder=True``), or None when it can.
+
+    ``kind`` names the path in the message (``config``, ``checkpoint``, ...); ``hint`` is appended where the path
+    does not exist.
+    """
+    if not os.path.exists(path):
+        return f"{kind} {path!r} does not exist{hint}"
+    if folder:
+        if not os.path.isdir(path):
+            return f"{kind} {path!r} is not a folder"
+        try:
+            os.listdir(path)
+        except OSError as error:
+            return f"{kind} {path!r} cannot be read: {error.strerror}"
+        return None
+    if os.path.isdir(path):
+        return f"{kind} {path!r} is a folder, not a file"
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as error:
+        return f"{kind} {path!r} cannot be read: {error.strerror}"
+    return None
+
+
+def require_path(kind: str, path: str, folder: bool = False, hint: str = "") -> None:
+    """:func:`usage_error` where :func:`path_problem` finds one."""
+    problem = path_problem(kind, path, folder, hint)
+    if problem is not None:
+        usage_error(problem)
+
+
+def require_checkpoint(path: Optional[str]) -> None:
+    """A local checkpoint must be a readable file; remote ones (URLs, ``torchvision://``) are mmengine's to fetch."""
+    if path is not None and not is_remote(path):
+        require_path("checkpoint", path)
+
+
+def read_config(config_path: str, **fromfile_options) -> Config:
+    """``Config.fromfile``, with a missing, unreadable or broken config (a syntax error, a missing ``_base_``, a
+    failing custom import) reported as one :func:`usage_error` line instead of mmengine's traceback."""
+    require_path("config", config_path)
+    try:
+        return Config.fromfile(config_path, **fromfile_options)
+    except Exception as error:  # the config's own code: whatever it raises is the user's to fix, in one line
+        usage_error(f"config {config_path!r} cannot be loaded: {type(error).__name__}: {error}")
+
+
+def runner_keys() -> List[str]:
+    """Top-level keys that mmengine's Runner reads besides the config's own: its constructor's arguments, and the
+    keys that mmengine's config handling and mmdet's tools read."""
+    arguments = [name for name in inspect.signature(Runner.__init__).parameters if name != "self"]
+    return arguments + ["runner_type", "custom_imports", "default_scope", "launcher"]
+
+
+def unknown_cfg_option_warnings(cfg: Config, keys: Iterable[str]) -> List[str]:
+    """A warning for each ``--cfg-options`` key whose top-level key is in neither ``cfg`` nor :func:`runner_keys`,
+    naming the closest known key where one is close (a misspelt key would otherwise be added silently, and the
+    config would run unchanged)."""
+    known = sorted(set(cfg.keys()) | set(runner_keys()))
+    warnings = []
+    for key in keys:
+        top = key.split(".", 1)[0]
+        if top in known:
+            continue
+        close = difflib.get_close_matches(top, known, n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        warnings.append(f"--cfg-options {key}: the config has no key {top!r}{guess}; it is added as a new key")
+    return warnings
+
+
+def warn_about_unknown_cfg_options(cfg: Config, keys: Optional[Iterable[str]]) -> None:
+    for warning in unknown_cfg_option_warnings(cfg, keys or ()):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def check_cfg_options_of(config_paths: Sequence[str], keys: Optional[Iterable[str]]) -> None:
+    """:func:`warn_about_unknown_cfg_options` for each config, read without its custom imports (for tools that load
+    the configs later themselves and report a broken one there)."""
+    keys = list(keys or ())
+    if not keys:
+        return
+    for path in config_paths:
+        try:
+            cfg = Config.fromfile(path, import_custom_modules=False)
+        except Exception:  # the tool reports a config it cannot load when it loads it
+            continue
+        warn_about_unknown_cfg_options(cfg, keys)
+
+
 def load_config(config_path: str, work_dir: Optional[str], cfg_options: Optional[dict], launcher: str) -> Config:
     """The config as mmdet's tools see it: options merged, launcher set, work dir resolved (CLI > config > name)."""
-    cfg = Config.fromfile(config_path)
+    cfg = read_config(config_path)
+    warn_about_unknown_cfg_options(cfg, cfg_options)
     cfg.launcher = launcher
     if cfg_options is not None:
         cfg.merge_from_dict(cfg_options)
@@ -74,6 +186,7 @@ def apply_resume(cfg: Config, resume: Optional[str]) -> None:
         cfg.resume = True
         cfg.load_from = None
     elif resume is not None:
+        require_checkpoint(resume)
         cfg.resume = True
         cfg.load_from = resume
 

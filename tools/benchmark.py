@@ -34,9 +34,23 @@ random-resize sizes (the DETR pipelines' distribution), then the same batches ag
 ``--profile`` adds a torch.profiler breakdown per row (see
 ``tools/profile_step.py``). The code lives in the ``deform_plugin.benchmarks.detector`` package.
 """
-import sys
+import os
 
-from deform_plugin.benchmarks.detector.run import main
+# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning (deform_plugin/cpu_threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import sys  # noqa: E402
+
+from deform_plugin.benchmarks.detector.run import build_parser, main
+from deform_plugin.cli import check_cfg_options_of, require_path
+from deform_plugin.cpu_threads import configure_cpu_threads
 
 if __name__ == "__main__":
+    # Parsed here too, for the checks of deform_plugin.cli: the benchmarks' modules import none of the rest of
+    # deform_plugin (their stock rows run in processes that never import it).
+    args = build_parser(__doc__).parse_args()
+    for config in args.configs:
+        require_path("config", config)
+    check_cfg_options_of(args.configs, [item.split("=", 1)[0] for item in args.cfg_options or ()])
+    configure_cpu_threads()
     sys.exit(main(description=__doc__))

@@ -15,9 +15,20 @@ run, whole-run and first-20 img/s, our kernel compile count, peak memory, speedu
 JSON, CSV and the rows' logs and overlay configs into ``--out-dir``. See
 :mod:`deform_plugin.benchmarks.detector.user_path`.
 """
-import sys
+import os
 
-from deform_plugin.benchmarks.detector.user_path import main
+# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning (deform_plugin/cpu_threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import sys  # noqa: E402
+
+from deform_plugin.benchmarks.detector.user_path import build_parser, main
+from deform_plugin.cli import require_path
 
 if __name__ == "__main__":
+    # Parsed here too, for the checks of deform_plugin.cli: the benchmarks' modules import none of the rest of
+    # deform_plugin (their stock rows run in processes that never import it). Each row's training process sets its own
+    # threads, as tools/train.py does.
+    for config in build_parser().parse_args(sys.argv[1:]).configs:
+        require_path("config", str(config))
     sys.exit(main(sys.argv[1:]))

@@ -33,6 +33,7 @@ from mmengine.hooks import Hook
 from tqdm import tqdm
 
 from deform_plugin.cli import build_runner, load_config
+from deform_plugin.cpu_threads import configure_cpu_threads
 from deform_plugin.datasets import ensure_shapes_dataset
 
 REPO_ROOT = osp.dirname(osp.dirname(osp.abspath(__file__)))
@@ -172,4 +173,5 @@ def _last_checkpoint(work_dir: str) -> Optional[str]:
 
 
 if __name__ == "__main__":
+    configure_cpu_threads()
     sys.exit(main(sys.argv[1:]))

@@ -19,8 +19,12 @@ one-line message. See docs/deployment.md.
 """
 from __future__ import annotations
 
-import argparse
 import os
+
+# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning (deform_plugin/cpu_threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
 import sys
 import time
 from typing import Optional, Sequence
@@ -28,6 +32,8 @@ from typing import Optional, Sequence
 import deform_plugin  # noqa: F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
 from mmengine.config import DictAction
 
+from deform_plugin.cli import check_cfg_options_of, is_remote, path_problem
+from deform_plugin.cpu_threads import configure_cpu_threads
 from deform_plugin.integration.mmdet_detr_onnx import (DEFAULT_OPSET, ExportError, build_detector, check_exportable,
                                                        check_input_size, check_opset, export_detector, export_model,
                                                        verify_onnx)
@@ -56,8 +62,9 @@ def read_image(path: str, height: int, width: int):
     import mmcv
     import torch
 
-    if not os.path.isfile(path):
-        raise ExportError(f"image file not found: {path}")
+    problem = path_problem("image", path)
+    if problem is not None:
+        raise ExportError(problem)
     array = mmcv.imread(path)  # BGR uint8, (h, w, 3)
     if array is None:
         raise ExportError(f"cannot read {path} as an image")
@@ -70,11 +77,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     height, width = args.shape
     try:
+        for kind, path in (("config", args.config), ("checkpoint", args.checkpoint)):
+            problem = None if path is None or is_remote(path) else path_problem(kind, path)
+            if problem is not None:
+                raise ExportError(problem)
         check_opset(args.opset)
         out_dir = os.path.dirname(os.path.abspath(args.out))
         if not os.path.isdir(out_dir):
             raise ExportError(f"the directory of --out does not exist: {out_dir}")
         image = read_image(args.image, height, width) if args.image else None
+        check_cfg_options_of([args.config], args.cfg_options)
         model = build_detector(args.config, args.checkpoint, args.cfg_options)
         if args.checkpoint is None:
             print("note: no checkpoint given: exporting randomly initialised weights (the graph is the same; the "
@@ -115,4 +127,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    configure_cpu_threads()
     sys.exit(main(sys.argv[1:]))

@@ -50,7 +50,11 @@ def main(argv=None) -> int:
     curves: Dict[str, List[Tuple[int, float]]] = {}
     for run in args.runs:
         work_dir, _, label = run.partition("=")
-        curves[label or os.path.basename(os.path.normpath(work_dir))] = read_losses(work_dir, args.key)
+        try:
+            curves[label or os.path.basename(os.path.normpath(work_dir))] = read_losses(work_dir, args.key)
+        except (FileNotFoundError, ValueError) as error:  # a path or key the user gave: one line, as argparse does
+            print(f"error: {error}", file=sys.stderr)
+            return 2
 
     labels = list(curves)
     iters = sorted(set.intersection(*(set(i for i, _ in c) for c in curves.values())))

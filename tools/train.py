@@ -11,7 +11,12 @@ scaler, which it does not need; fp16 with mmdet's dynamic loss scaling).
 """
 from __future__ import annotations
 
-import argparse
+import os
+
+# Before anything loads torch's OpenMP runtime: idle threads sleep instead of spinning (deform_plugin/cpu_threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
 import sys
 from typing import Optional, Sequence
 
@@ -22,6 +27,7 @@ from mmengine.runner import Runner
 
 from deform_plugin.cli import (AMP_DTYPES, apply_resume, build_runner, enable_amp, enable_auto_scale_lr, load_config,
                                parse_with_common_arguments)
+from deform_plugin.cpu_threads import configure_cpu_threads
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -59,4 +65,5 @@ def main(argv: Optional[Sequence[str]] = None) -> Runner:
 
 
 if __name__ == "__main__":
+    configure_cpu_threads()
     main(sys.argv[1:])

@@ -4,6 +4,8 @@
   hyper-parameters in merged param groups, on fused/foreach optimizer kernels.
 - ``FastPathsHook`` (``custom_hooks``, :mod:`.fast_paths_hook`): the exact fast paths of the training step
   (:class:`~deform_plugin.integration.mmdet_fast_paths.FastPaths`).
+- ``FastInferenceHook`` (``custom_hooks``, :mod:`.fast_inference_hook`): validation and testing through graph
+  inference, inputs padded to buckets.
 - ``ShapeBucketsHook`` (``custom_hooks``, :mod:`.shape_buckets_hook`): training batches padded to a few distinct
   shapes (not exact: more padding), so that random-resize pipelines stop paying per-shape cuDNN/cuBLAS plan
   selection every step.
@@ -15,6 +17,7 @@
 """
 from .data_parallel import FlatGradientsDataParallel, ParameterGradientSlots
 from .deferred_runtime_info_hook import DeferredRuntimeInfoHook
+from .fast_inference_hook import FastInferenceHook
 from .fast_paths_hook import FastPathsHook, fast_path_switches_from_config
 from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels,
                                 merge_param_groups)
@@ -24,6 +27,7 @@ from .sync_free import DEFERRED_SCALARS, SyncFreeAmpOptimWrapper, SyncFreeOptimW
 __all__ = [
     "DEFERRED_SCALARS",
     "DeferredRuntimeInfoHook",
+    "FastInferenceHook",
     "FastPathsHook",
     "FlatGradientsDataParallel",
     "MergedParamGroupsOptimWrapperConstructor",

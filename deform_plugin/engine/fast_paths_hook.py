@@ -1,9 +1,14 @@
 """``FastPathsHook``: the model's exact fast paths, switched on before a run starts (``custom_hooks``)."""
 from __future__ import annotations
 
+import inspect
+from typing import Optional
+
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.registry import HOOKS
+
+from .shape_buckets_hook import ShapeBucketsHook
 
 
 @HOOKS.register_module()
@@ -20,13 +25,34 @@ class FastPathsHook(Hook):
     classes/methods of existing objects only (no new parameters), so checkpoints stay interchangeable with stock
     runs. With ``cuda_graphs``, unwrapped models or those under ``FlatGradientsDataParallel`` get their gradients
     written into the parameters' slots (:mod:`deform_plugin.engine.data_parallel`).
+
+    Args:
+        graph_capture_after (int, optional): with ``cuda_graphs``, the call at which an input shape is captured
+            (``CapturePolicy.capture_after``). None (the default): 1 where the run pads its batches with
+            :class:`ShapeBucketsHook` (shapes recur by construction: a new one is captured at its first call), else
+            2 (a random-resize pipeline's shapes rarely recur: a shape seen once runs eagerly).
+        max_graphs (int): with ``cuda_graphs``, input shapes captured at most; later new shapes run eagerly.
+        max_graph_memory_mb (float, optional): with ``cuda_graphs``, the device memory the captures may add, MiB.
+        precompile_triton (bool): compile the model's Triton MSDA kernels in background processes while the run
+            starts (default True; see :mod:`deform_plugin.ops.msda.precompile`).
+        **switches: the fast paths (fields of ``FastPaths``).
     """
 
     priority = "VERY_HIGH"
 
-    def __init__(self, **switches):
+    def __init__(self, graph_capture_after: Optional[int] = None, max_graphs: int = 64,
+                 max_graph_memory_mb: Optional[float] = None, precompile_triton: bool = True, **switches):
+        from deform_plugin.cuda_graphs import CapturePolicy
         from deform_plugin.integration.mmdet_fast_paths import FastPaths
+
         self.fast_paths = FastPaths.from_dict(switches)
+        # Checked now, so that a bad value fails when the config is built.
+        CapturePolicy(capture_after=graph_capture_after or 1, max_graphs=max_graphs,
+                      max_graph_memory_mb=max_graph_memory_mb)
+        self.graph_capture_after = graph_capture_after
+        self.max_graphs = max_graphs
+        self.max_graph_memory_mb = max_graph_memory_mb
+        self.precompile_triton = bool(precompile_triton)
 
     def _gradient_slots(self, model):
         """Where the graphed regions write the gradients: the wrapper's slots under
@@ -43,24 +69,45 @@ class FastPathsHook(Hook):
             return None  # no graphs off CUDA: the regions run eagerly
         return ParameterGradientSlots(model.parameters())
 
+    def capture_policy(self, runner):
+        """The graphs' capture policy for this run (see ``graph_capture_after``)."""
+        from deform_plugin.cuda_graphs import CapturePolicy
+        capture_after = self.graph_capture_after
+        if capture_after is None:
+            padded_to_buckets = any(isinstance(hook, ShapeBucketsHook) for hook in getattr(runner, "hooks", ()))
+            capture_after = 1 if padded_to_buckets else 2
+        return CapturePolicy(capture_after=capture_after, max_graphs=self.max_graphs,
+                             max_graph_memory_mb=self.max_graph_memory_mb)
+
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         from deform_plugin.ops.msda import prepare_triton_in_background
+        if self.precompile_triton:
+            from .triton_precompile import precompile_model_kernels
+            precompile_model_kernels(runner.model, getattr(runner, "optim_wrapper", None))
         # The one-time host work of the first Triton call, on a thread, while the run initialises its weights and
         # its data loader's workers start (it would otherwise fall in the first iteration).
         prepare_triton_in_background()
-        changed = apply_fast_paths(runner.model, self.fast_paths, gradient_slots=self._gradient_slots(runner.model))
-        print_log(f"deform_plugin fast paths: {changed or 'none selected'}", logger="current")
+        policy = self.capture_policy(runner) if self.fast_paths.cuda_graphs else None
+        changed = apply_fast_paths(runner.model, self.fast_paths, gradient_slots=self._gradient_slots(runner.model),
+                                   capture_policy=policy)
+        graphs = f"; graphs: {policy}" if policy is not None else ""
+        print_log(f"deform_plugin fast paths: {changed or 'none selected'}{graphs}", logger="current")
+
+
+# The hook's own options, beside the switches.
+HOOK_OPTIONS = tuple(name for name, parameter in inspect.signature(FastPathsHook.__init__).parameters.items()
+                     if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD)
 
 
 def fast_path_switches_from_config(cfg) -> dict:
     """The switches a config's ``custom_hooks`` give :class:`FastPathsHook`, as they are set there ({} when it has
-    none); a key that is no switch is refused."""
+    none; the hook's own options are left out); a key that is neither is refused."""
     from deform_plugin.integration.mmdet_fast_paths import FastPaths
     switches = {}
     for hook_cfg in cfg.get("custom_hooks", None) or []:
         if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
             switches.update({k: None if v is None else bool(v) for k, v in hook_cfg.items()
-                             if k not in ("type", "priority")})
+                             if k not in ("type", "priority") + HOOK_OPTIONS})
     FastPaths.from_dict(switches)
     return switches

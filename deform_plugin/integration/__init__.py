@@ -8,6 +8,7 @@
 - :mod:`.mmdet_fast_paths`: the exact fast paths of a training step (opt-in, per model).
 - :mod:`.mmdet_version`: the mmdet release that the copies of mmdet's private methods mirror, checked in one place.
 - :mod:`.mmdet_detr_onnx`: ONNX export of the DETR-family detectors and its check in ONNX Runtime (tools only).
+- :mod:`.mmdet_inferencer`: mmdet's ``DetInferencer`` with the model's own class names (tools only).
 """
 import importlib.util
 

@@ -1,35 +1,59 @@
-"""Inference with each input signature's forward captured in a CUDA graph (mmdet's DETR family and MaskFormer).
+"""Inference with the forward of each input shape replayed from a CUDA graph (mmdet's DETR family and MaskFormer).
 
 At batch 1 the GPU work of a detector is small and the host's kernel launches set the pace. A CUDA graph replays
-the launches of a whole forward in one call. The detector's ``predict`` is split in two: the *region*
-(backbone, neck, transformer and head forward: fixed-size tensors in and out, no host sync once
-``sync_free_forward`` is on) is captured once per input signature and replayed; the *post-processing* (top-k,
-rescaling to the original image, mask fusion: data-dependent and cheap) runs eagerly on the replayed outputs, as
-mmdet runs it. The signature is everything the region reads on the host: the input's shape, dtype and device,
-every image's shape in the batch, and the autocast state. A signature seen for the first time is warmed up eagerly
-(compiling the Triton kernels, choosing cuDNN algorithms) and captured; beyond ``max_graphs`` signatures, or where
-a capture fails, that signature runs eagerly, with one log line saying why.
+the launches of a whole forward in one call. The detector's ``predict`` is split in two: the *region* (backbone,
+neck, transformer and head forward: fixed-size tensors in and out, no host sync once ``sync_free_forward`` is on)
+is captured once per input shape and replayed; the *post-processing* (top-k, rescaling to the original image, mask
+fusion: data-dependent and cheap) runs eagerly on the replayed outputs, as mmdet runs it.
 
-Detections equal eager inference up to floating-point rounding (the same kernels run; atomics may order additions
-differently).
+Real photos come in many sizes, and a graph serves one shape. So each input is padded up to a bucket
+(:class:`~deform_plugin.cuda_graphs.InferenceBuckets`): the DETRs take each image's size inside the padded input as
+a device tensor and mask the padding, as they mask it for every image of a batch but the largest, so one graph
+serves every image of its bucket. Which shape a call runs at, and whether it is captured, follows one policy:
+
+1. the bucket's own graph, where it has one;
+2. its own capture, once the bucket has earned it (:class:`~deform_plugin.cuda_graphs.CapturePolicy`'s
+   ``capture_after`` calls; ``own_graph_after`` calls where a larger graph can serve it meanwhile);
+3. a larger captured shape that covers it within ``borrow_max_pixels``, or a captured canvas that covers it;
+4. where canvases are given, the canvas's capture (at its first call: every input of its orientation fits it);
+5. otherwise eagerly, at the bucket.
+
+A shape seen once never pays a capture, no graph is ever dropped to make room for another (past ``max_graphs`` or
+the memory cap, new shapes run eagerly or borrow), and an eager call runs the same region function on the same
+padded input as a replay does, so a detection does not depend on whether its shape had a graph yet, only on the
+shape it ran at. On a device without graphs (the CPU) inputs are padded to their bucket all the same. The padding
+changes the features near the image border slightly (convolutions see padded zeros); docs/results.md gives its
+measured effect on detections and mAP.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from mmengine.logging import print_log
+import torch.utils._pytree as pytree
+
+from deform_plugin.cuda_graphs import (
+    CapturePolicy,
+    GraphCache,
+    InferenceBuckets,
+    SharedBuffers,
+    canvases_from_test_pipeline,
+)
+
+from .mmdet_fast_paths.graphed_training import detr_decoder, detr_encoder, image_sizes_tensor
 
 # The mmdet release whose MaskFormerHead.predict tail the MaskFormer post-processing below mirrors.
 from .mmdet_version import MIRRORED_MMDET_VERSION
 
+# Graph inference keeps few shapes: batch-1 inputs of one test pipeline fall into a few dozen buckets at most.
+DEFAULT_INFERENCE_POLICY = CapturePolicy(capture_after=2, max_graphs=16)
 
-def _detr_region(detector, batch_inputs, batch_data_samples):
-    img_feats = detector.extract_feat(batch_inputs)
-    head_inputs_dict = detector.forward_transformer(img_feats, batch_data_samples)
-    return detector.bbox_head(head_inputs_dict["hidden_states"], head_inputs_dict["references"])
+
+def _detr_region(detector, batch_inputs, image_sizes):
+    encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes)
+    head_inputs = detr_decoder(detector, encoder_outputs, decoder_inputs)
+    return detector.bbox_head(head_inputs["hidden_states"], head_inputs["references"])
 
 
 def _detr_postprocess(detector, outs, batch_data_samples, rescale):
@@ -38,8 +62,9 @@ def _detr_postprocess(detector, outs, batch_data_samples, rescale):
     return detector.add_pred_to_datasample(batch_data_samples, results_list)
 
 
-def _maskformer_region(detector, batch_inputs, batch_data_samples):
-    return detector.panoptic_head(detector.extract_feat(batch_inputs), batch_data_samples)
+def _maskformer_region(detector, batch_inputs, image_sizes=None):
+    # Mask2Former's forward reads the pixels only (mmdet 3.3.0 does not mask its padding).
+    return detector.panoptic_head(detector.extract_feat(batch_inputs), None)
 
 
 def _maskformer_postprocess(detector, outs, batch_data_samples, rescale):
@@ -53,115 +78,206 @@ def _maskformer_postprocess(detector, outs, batch_data_samples, rescale):
     return detector.add_pred_to_datasample(batch_data_samples, results_list)
 
 
-def _split_predict(detector) -> Optional[Tuple[Callable, Callable]]:
-    """The (region, post-processing) pair of a detector whose class keeps mmdet's own ``predict``, else None."""
-    from mmdet.models.detectors import DetectionTransformer, MaskFormer
-    if isinstance(detector, DetectionTransformer) and type(detector).predict is DetectionTransformer.predict:
-        return _detr_region, _detr_postprocess
+class _Split(NamedTuple):
+    region: Callable
+    postprocess: Callable
+    takes_image_sizes: bool
+
+
+def _split_predict(detector) -> Optional[_Split]:
+    """The region and post-processing of a detector whose class keeps mmdet's own ``predict``, else None."""
+    from mmdet.models.detectors import DeformableDETR, DetectionTransformer, MaskFormer
+    if (isinstance(detector, DeformableDETR) and type(detector).predict is DetectionTransformer.predict
+            and all(getattr(type(detector), name) is getattr(DeformableDETR, name)
+                    for name in ("pre_transformer", "forward_encoder", "extract_feat"))):
+        return _Split(_detr_region, _detr_postprocess, True)
     if isinstance(detector, MaskFormer) and type(detector).predict is MaskFormer.predict:
         import mmdet
         if mmdet.__version__ == MIRRORED_MMDET_VERSION:
-            return _maskformer_region, _maskformer_postprocess
+            return _Split(_maskformer_region, _maskformer_postprocess, False)
     return None
 
 
-class _CapturedForward:
-    """One signature's graph: a static input buffer, the graph, and the region's static outputs."""
+def test_pipeline_canvases(detector) -> Tuple[Tuple[int, int], ...]:
+    """The canvases of the detector's test pipeline (:func:`canvases_from_test_pipeline`), where ``init_detector``
+    or ``DetInferencer`` left its config on it (``model.cfg``); () where it has none."""
+    cfg = getattr(detector, "cfg", None)
+    try:
+        pipeline = cfg.test_dataloader.dataset.pipeline
+    except AttributeError:
+        pipeline = getattr(cfg, "test_pipeline", None) if cfg is not None else None
+    return canvases_from_test_pipeline(pipeline)
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, static_input: torch.Tensor, static_outputs):
+
+def throughput_buckets(detector, borrow_max_pixels: float = 1.7) -> InferenceBuckets:
+    """Buckets for sizes that rarely repeat: the test pipeline's canvases, and borrowing up to
+    ``borrow_max_pixels`` times a bucket's pixels (more padding: see :class:`InferenceBuckets`)."""
+    return InferenceBuckets(canvases=test_pipeline_canvases(detector), borrow_max_pixels=borrow_max_pixels)
+
+
+class _CapturedForward:
+    """One input shape's graph, the static inputs it reads and the outputs it writes."""
+
+    def __init__(self, graph, static_input: torch.Tensor, static_sizes: Optional[torch.Tensor], static_outputs):
         self.graph = graph
         self.static_input = static_input
+        self.static_sizes = static_sizes
         self.static_outputs = static_outputs
 
 
 class GraphInference:
-    """A detector's ``predict`` with the forward of each input signature captured in a CUDA graph.
+    """A detector's ``predict`` with each input shape's forward replayed from a CUDA graph (see the module).
 
     Args:
-        detector: an mmdet ``DetectionTransformer`` (Deformable-DETR, DINO, ...) or ``MaskFormer`` in eval mode.
-        max_graphs: signatures kept as graphs (least recently used dropped first); others run eagerly.
-        warmup_runs: eager runs of a new signature before its capture.
+        detector: an mmdet ``DeformableDETR``-family detector (Deformable-DETR, DINO, ...) or ``MaskFormer``.
+        policy: when a shape earns its graph and how many are kept (default: captured at its second call, at most
+            16 graphs).
+        buckets: how inputs are padded so that graphs are reused (:class:`InferenceBuckets`); None: no padding, a
+            graph per exact input shape. Default: ``InferenceBuckets()`` (32 px steps, borrowing at most 15% more
+            pixels, no canvases); :func:`throughput_buckets` for sizes that rarely repeat.
     """
 
-    def __init__(self, detector, max_graphs: int = 4, warmup_runs: int = 2):
+    # Graphs are CUDA graphs; tests emulate them on the CPU with a subclass that sets this to "cpu".
+    device_type = "cuda"
+
+    def __init__(self, detector, policy: Optional[CapturePolicy] = None, buckets: Optional[InferenceBuckets] = ...):
         split = _split_predict(detector)
         if split is None:
             raise TypeError(f"{type(detector).__name__} has no graph inference: it is not one of mmdet's DETR-family "
                             "or MaskFormer detectors with their own predict()")
         self.detector = detector
-        self.region, self.postprocess = split
+        self.region, self.postprocess, self.takes_image_sizes = split
         self.eager_predict = type(detector).predict.__get__(detector)
-        self.max_graphs = max_graphs
-        self.warmup_runs = warmup_runs
-        self.graphs: "OrderedDict[tuple, _CapturedForward]" = OrderedDict()
-        self.eager_signatures: Dict[tuple, str] = {}
-        self.pool = None
-        self.capture_stream: Optional[torch.cuda.Stream] = None
+        self.buckets = InferenceBuckets() if buckets is ... else buckets
+        self.graphs = GraphCache(f"{type(detector).__name__} inference", policy or DEFAULT_INFERENCE_POLICY)
+        self.shared = SharedBuffers()
+        self.warmed_on_capture_stream: set = set()
+        self.borrowed_calls = 0  # calls that ran on a larger shape's graph (a canvas included)
+        self.pixels = [0, 0]  # the inputs' own pixels and those they ran at
 
-    @staticmethod
-    def signature(batch_inputs: torch.Tensor, batch_data_samples) -> tuple:
-        autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        shapes = tuple((tuple(s.metainfo.get("img_shape", ())), tuple(s.metainfo.get("batch_input_shape", ())))
-                       for s in batch_data_samples)
-        return tuple(batch_inputs.shape), batch_inputs.dtype, batch_inputs.device, shapes, autocast
+    @property
+    def policy(self) -> CapturePolicy:
+        return self.graphs.policy
 
     def predict(self, batch_inputs: torch.Tensor, batch_data_samples, rescale: bool = True):
-        if not batch_inputs.is_cuda or self.detector.training or torch.is_grad_enabled():
+        graphs_run_here = batch_inputs.device.type == self.device_type
+        if self.detector.training or torch.is_grad_enabled() or (self.buckets is None and not graphs_run_here):
             return self.eager_predict(batch_inputs, batch_data_samples, rescale=rescale)
-        key = self.signature(batch_inputs, batch_data_samples)
-        entry = self.graphs.get(key)
+        kind = (tuple(batch_inputs.shape[:2]), batch_inputs.dtype, batch_inputs.device,
+                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        height, width = batch_inputs.shape[-2:]
+        if graphs_run_here:
+            shape, capture = self._choose_shape((int(height), int(width)), kind)
+        else:  # no graphs on this device: the bucket's padding all the same, so that detections match the GPU's
+            shape, capture = self._bucket((int(height), int(width))), False
+        batch_inputs = self._pad(batch_inputs, batch_data_samples, shape)
+        self.pixels[0] += int(height) * int(width)
+        self.pixels[1] += shape[0] * shape[1]
+        image_sizes = (image_sizes_tensor(batch_data_samples, batch_inputs.device) if self.takes_image_sizes
+                       else None)
+        key = kind + (shape,)
+        entry = self.graphs.entries.get(key)
+        if entry is None and capture:
+            entry = self.graphs.capture(key, lambda: self._capture(batch_inputs, image_sizes, kind),
+                                        batch_inputs.device, f" of input {list(batch_inputs.shape)}")
         if entry is None:
-            if key in self.eager_signatures:
-                return self.eager_predict(batch_inputs, batch_data_samples, rescale=rescale)
-            entry = self._capture(key, batch_inputs, batch_data_samples)
-            if entry is None:
-                return self.eager_predict(batch_inputs, batch_data_samples, rescale=rescale)
+            self.graphs.note_eager_call(key)
+            outs = self.region(self.detector, batch_inputs, image_sizes)
         else:
-            self.graphs.move_to_end(key)
-        entry.static_input.copy_(batch_inputs)
-        entry.graph.replay()
-        # Clones, so that results never alias a buffer that the next replay overwrites.
-        outs = torch.utils._pytree.tree_map(torch.clone, entry.static_outputs)
+            entry.static_input.copy_(batch_inputs)
+            if entry.static_sizes is not None:
+                entry.static_sizes.copy_(image_sizes)
+            entry.graph.replay()
+            self.graphs.replays += 1
+            # Clones: the next replay overwrites the static outputs.
+            outs = pytree.tree_map(torch.clone, entry.static_outputs)
         return self.postprocess(self.detector, outs, batch_data_samples, rescale)
 
-    def _fall_back(self, key, reason: str) -> None:
-        self.eager_signatures[key] = reason
-        print_log(f"deform_plugin: inference of input {key[0]} runs eagerly: {reason}", logger="current")
+    # -- the policy -------------------------------------------------------------------------------------------------
+    def _choose_shape(self, input_shape: Tuple[int, int], kind) -> Tuple[Tuple[int, int], bool]:
+        """The shape a call runs at, and whether that shape is captured now (see the module's list)."""
+        buckets = self.buckets
+        bucket = self._bucket(input_shape)
+        graphs = self.graphs
+        if kind + (bucket,) in graphs.entries:
+            return bucket, False
+        first_of_kind = kind not in graphs.warmed_up_kinds
+        captured = [key[-1] for key in graphs.entries if key[:-1] == kind]
+        canvas = None
+        stand_in = None
+        if buckets is not None:
+            canvas = buckets.canvas_for(bucket)
+            canvas = None if canvas is None else self._bucket(canvas)
+            stand_in = buckets.borrowable(bucket, captured)
+            if stand_in is None and canvas is not None and canvas in captured:
+                stand_in = canvas
+        own_after = buckets.own_graph_after if stand_in is not None else None
+        if graphs.earns_capture(kind + (bucket,), kind, capture_after=own_after):
+            return bucket, True
+        if stand_in is not None:
+            self.borrowed_calls += 1
+            return stand_in, False
+        if not first_of_kind and canvas is not None and canvas != bucket:
+            # Every input of the canvas's orientation fits it: it recurs by construction, so it is captured at once.
+            if graphs.earns_capture(kind + (canvas,), kind, capture_after=1):
+                self.borrowed_calls += 1
+                return canvas, True
+        return bucket, False
 
-    def _capture(self, key, batch_inputs, batch_data_samples) -> Optional[_CapturedForward]:
-        if len(self.graphs) >= self.max_graphs:
-            dropped, _ = self.graphs.popitem(last=False)
-            print_log(f"deform_plugin: dropped the inference graph of input {dropped[0]} (max_graphs="
-                      f"{self.max_graphs})", logger="current")
-        static_input = batch_inputs.clone()
-        # One stream for every signature's warm-up and capture: the caching allocator reuses a freed block only on
-        # the stream it was allocated on, so a stream per signature would strand each one's memory.
-        if self.capture_stream is None:
-            self.capture_stream = torch.cuda.Stream(device=batch_inputs.device)
-        side = self.capture_stream
-        side.wait_stream(torch.cuda.current_stream(batch_inputs.device))
-        try:
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup_runs):
-                    self.region(self.detector, static_input, batch_data_samples)
-            torch.cuda.current_stream(batch_inputs.device).wait_stream(side)
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            # One memory pool for every signature: only one graph's outputs are read at a time.
-            with torch.cuda.graph(graph, pool=self.pool, stream=side):
-                static_outputs = self.region(self.detector, static_input, batch_data_samples)
-        except RuntimeError as error:
-            torch.cuda.synchronize(batch_inputs.device)
-            self._fall_back(key, f"its forward could not be captured ({str(error).splitlines()[0]})")
-            return None
-        entry = _CapturedForward(graph, static_input, static_outputs)
-        self.graphs[key] = entry
-        return entry
+    def _bucket(self, shape: Tuple[int, int]) -> Tuple[int, int]:
+        """``shape`` padded to its bucket (itself without buckets), a multiple of the preprocessor's divisor too."""
+        if self.buckets is None:
+            return shape
+        divisor = getattr(getattr(self.detector, "data_preprocessor", None), "pad_size_divisor", 1) or 1
+        return self.buckets.bucket(shape, divisor)
+
+    def _pad(self, batch_inputs: torch.Tensor, batch_data_samples, shape: Tuple[int, int]) -> torch.Tensor:
+        """``batch_inputs`` padded at the bottom and right to ``shape`` with the data preprocessor's pad value;
+        the samples' ``batch_input_shape`` follows."""
+        height, width = batch_inputs.shape[-2:]
+        if (height, width) == shape:
+            return batch_inputs
+        pad_value = getattr(getattr(self.detector, "data_preprocessor", None), "pad_value", 0)
+        for sample in batch_data_samples:
+            sample.set_metainfo({"batch_input_shape": tuple(shape)})
+        return F.pad(batch_inputs, (0, shape[1] - width, 0, shape[0] - height), value=pad_value)
+
+    # -- capture ----------------------------------------------------------------------------------------------------
+    def _capture(self, batch_inputs: torch.Tensor, image_sizes: Optional[torch.Tensor], kind) -> _CapturedForward:
+        role = tuple(batch_inputs.shape[:2]) + (batch_inputs.dtype,)
+        static_input = self.shared.view_like(("input", role), batch_inputs)
+        static_input.copy_(batch_inputs)
+        static_sizes = None
+        if image_sizes is not None:
+            static_sizes = self.shared.view_like(("image_sizes", role), image_sizes)
+            static_sizes.copy_(image_sizes)
+        autocast_on, autocast_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        # Autocast's cache of cast weights is off while capturing: a graph that read a cached cast would read freed
+        # memory once the caller's autocast region ends and drops its cache.
+        with self.graphs.capture_stream(batch_inputs.device), \
+                torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_on, cache_enabled=False):
+            if kind not in self.warmed_on_capture_stream:
+                # Once per kind: the libraries' per-stream state (cuBLAS workspaces) exists before a capture.
+                self.region(self.detector, static_input, static_sizes)
+                self.warmed_on_capture_stream.add(kind)
+            graph, outputs = self.capture_graph(lambda: self.region(self.detector, static_input, static_sizes))
+        return _CapturedForward(graph, static_input, static_sizes, outputs)
+
+    def capture_graph(self, work: Callable[[], object]):
+        """``(graph, outputs)``: a graph replaying the kernels ``work()`` launches, and the outputs it writes."""
+        return self.graphs.capture_graph(work)
+
+    def stats(self) -> Dict[str, object]:
+        """Graphs, replays, eager calls, capture time, graph memory, borrowed calls and the padding's extra pixels."""
+        stats = self.graphs.stats()
+        stats.update(borrowed_calls=self.borrowed_calls,
+                     padded_pixels=(self.pixels[1] / self.pixels[0] - 1.0) if self.pixels[0] else 0.0)
+        return stats
 
 
-def enable_graph_inference(detector, max_graphs: int = 4, warmup_runs: int = 2) -> GraphInference:
-    """Give ``detector`` (an instance) the graph-captured ``predict`` of :class:`GraphInference`; returns it."""
-    graph_inference = GraphInference(detector, max_graphs=max_graphs, warmup_runs=warmup_runs)
+def enable_graph_inference(detector, policy: Optional[CapturePolicy] = None,
+                           buckets: Optional[InferenceBuckets] = ...) -> GraphInference:
+    """Give ``detector`` (an instance) the graph-replayed ``predict`` of :class:`GraphInference`; returns it."""
+    graph_inference = GraphInference(detector, policy=policy, buckets=buckets)
     detector.predict = graph_inference.predict
     return graph_inference

@@ -1,4 +1,8 @@
 """The fast paths are off unless a config selects them, and the fast configs select them."""
+import types
+
+import pytest
+import torch
 from detr_heads import hungarian_assigner
 from mmcv.cnn.bricks.transformer import MultiheadAttention
 from torch import nn
@@ -68,7 +72,7 @@ def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
     from deform_plugin.integration import mmdet_fast_paths
     calls = []
     monkeypatch.setattr(mmdet_fast_paths, "enable_cuda_graphs",
-                        lambda model, split_at_features, gradient_slots: calls.append(
+                        lambda model, split_at_features, gradient_slots, policy: calls.append(
                             (split_at_features, gradient_slots)) or 0)
     monkeypatch.setattr(mmdet_fast_paths, "enable_sync_free_forward", lambda model: 0)
     monkeypatch.setattr(mmdet_fast_paths, "check_mirrored_mmdet_version", lambda switch: None)
@@ -98,10 +102,51 @@ def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
 
 
 def test_a_config_key_that_is_no_switch_is_refused_by_name():
-    import pytest
     with pytest.raises(ValueError, match="unknown fast path switch sdpa: the switches are sdpa_attention, "):
         FastPathsHook(sdpa=True)
     cfg = dict(custom_hooks=[dict(type="FastPathsHook", cuda_graph=True)])
     with pytest.raises(ValueError, match="unknown fast path switch cuda_graph:"):
         fast_path_switches_from_config(cfg)
     assert FastPathsHook(cuda_graphs=1).fast_paths.cuda_graphs is True
+    # The hook's own options are no switches.
+    cfg = dict(custom_hooks=[dict(type="FastPathsHook", cuda_graphs=True, max_graphs=8, precompile_triton=False)])
+    assert fast_path_switches_from_config(cfg) == dict(cuda_graphs=True)
+
+
+class _RunnerWithHooks:
+    def __init__(self, hooks):
+        self.hooks = hooks
+
+
+@pytest.mark.parametrize("hooks,given,expected", [
+    ([], None, 2), (["buckets"], None, 1), (["buckets"], 3, 3), ([], 1, 1)],
+    ids=["no-buckets", "buckets", "given-with-buckets", "given"])
+def test_graphs_capture_a_shape_at_its_first_call_only_where_batches_are_padded_to_buckets(hooks, given, expected):
+    from deform_plugin.engine import ShapeBucketsHook
+    runner = _RunnerWithHooks([ShapeBucketsHook() if hook == "buckets" else hook for hook in hooks])
+    policy = FastPathsHook(cuda_graphs=True, graph_capture_after=given, max_graphs=7).capture_policy(runner)
+    assert (policy.capture_after, policy.max_graphs) == (expected, 7)
+
+
+def test_a_bad_capture_setting_fails_when_the_hook_is_built():
+    with pytest.raises(ValueError, match="max_graphs must be an int >= 1, got 0"):
+        FastPathsHook(cuda_graphs=True, max_graphs=0)
+
+
+def test_the_kernels_to_precompile_are_the_models_msda_shapes_in_each_dtype_of_the_run():
+    from mmengine.optim import OptimWrapper
+
+    from deform_plugin.engine.triton_precompile import model_msda_variants, run_dtypes
+    from deform_plugin.models.msda import MultiScaleDeformableAttention
+    model = torch.nn.ModuleList([MultiScaleDeformableAttention(embed_dims=64, num_heads=4, num_levels=3, num_points=2),
+                                 MultiScaleDeformableAttention(embed_dims=64, num_heads=4, num_levels=3, num_points=2)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert run_dtypes(OptimWrapper(optimizer)) == ["float32"]
+    assert run_dtypes(None) == ["float32"]
+    dtypes = ["float32", "bfloat16"]
+    variants = model_msda_variants(model, dtypes)
+    assert {(v.num_heads, v.head_dim, v.num_levels, v.num_points) for v in variants} == {(4, 16, 3, 2)}
+    assert sorted((v.dtype, v.reference_dim) for v in variants) == [
+        ("bfloat16", 2), ("bfloat16", 4), ("float32", 2), ("float32", 4)]
+    # mmengine's AmpOptimWrapper keeps its autocast dtype as cast_dtype (it refuses to build without a GPU).
+    assert run_dtypes(types.SimpleNamespace(cast_dtype=torch.bfloat16)) == dtypes

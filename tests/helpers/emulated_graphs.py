@@ -7,6 +7,7 @@
 import torch
 from torch import nn
 
+from deform_plugin.cuda_graphs import CapturePolicy
 from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedRegion
 
 
@@ -22,7 +23,13 @@ class ReRunGraph:
 
 
 class EmulatedGraphRegion(GraphedRegion):
+    """A region whose graphs re-run the captured work on the CPU; it captures a new shape of a warmed-up kind at its
+    first call (``capture_after=1``) unless given another policy."""
+
     device_type = "cpu"
+
+    def __init__(self, *args, policy=None, **kwargs):
+        super().__init__(*args, policy=policy or CapturePolicy(capture_after=1), **kwargs)
 
     def capture_graph(self, work):
         # A capture launches nothing: keep the random state as it was (dropout draws at the replay only).

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from checkout import checkout_environment
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -40,15 +41,9 @@ SMALL_RUN = ["--device", "cpu", "--shape", "64", "64", "--batch-size", "2", "--n
              "--no-progress"]
 
 
-def _tool_environment(**variables):
-    """The tools import deform_plugin from this checkout, whichever copy the environment has installed."""
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (REPO_ROOT, os.environ.get("PYTHONPATH")))),
-                **variables)
-
-
-def _run_tool(script, args, expect_rc=0):
-    completed = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", script), *args], cwd=REPO_ROOT,
-                               env=_tool_environment(PYTHONWARNINGS="ignore"), capture_output=True, text=True,
+def _run_tool(script, args, expect_rc=0, cwd=REPO_ROOT):
+    completed = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", script), *args], cwd=cwd,
+                               env=checkout_environment(PYTHONWARNINGS="ignore"), capture_output=True, text=True,
                                timeout=300)
     assert completed.returncode == expect_rc, completed.stdout[-3000:] + completed.stderr[-3000:]
     return completed
@@ -123,10 +118,16 @@ def test_benchmark_compares_rows_and_writes_table_json_csv_png(micro_config, tmp
     assert (out_dir / "benchmark_profile.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+# SMALL_RUN less the timing runs' options, which tools/profile_step.py does not offer.
+PROFILE_RUN = ["--device", "cpu", "--shape", "64", "64", "--batch-size", "2", "--num-gts", "3", "--profile-steps", "1"]
+
+
 def test_profile_tool_writes_breakdown_chart_and_trace(micro_config, tmp_path):
-    out_dir = tmp_path / "prof"
-    stdout = _run_tool("profile_step.py", [micro_config, "--rows", "pytorch:fp32:all", "--trace",
-                                           "--out-dir", str(out_dir), *SMALL_RUN]).stdout
+    # Without --out-dir: the default folder, named after the config, under the working directory.
+    out_dir = tmp_path / "work_dirs" / "profile" / "micro_deformable_detr"
+    stdout = _run_tool("profile_step.py", [micro_config, "--rows", "pytorch:fp32:all", "--trace", *PROFILE_RUN],
+                       cwd=tmp_path).stdout
+    assert stdout.startswith(f"the report goes to {os.path.join('work_dirs', 'profile', 'micro_deformable_detr')} ")
     assert "[profile] CPU ms/step: MSDA" in stdout
     assert "[train]" not in stdout  # profile only
     report = json.loads((out_dir / "profile.json").read_text())
@@ -141,7 +142,7 @@ def test_profile_tool_writes_breakdown_chart_and_trace(micro_config, tmp_path):
     assert row["profile"]["unprofiled_step_wall_ms"] > 0
     assert row["profile"]["busy_fraction_unprofiled"] is None  # CPU row: no device to keep busy
     assert "host reads/step (aten::_local_scalar_dense)" in stdout
-    assert os.path.getsize(row["profile"]["trace"]) > 0
+    assert os.path.getsize(tmp_path / row["profile"]["trace"]) > 0  # relative to the working directory
     assert (out_dir / "profile.png").exists()
 
 
@@ -150,6 +151,13 @@ def test_profile_tool_help_describes_the_profile():
     assert stdout.startswith("usage: profile_step.py")
     assert "Profile training steps of mmdet configs" in stdout and "--profile-steps" in stdout
     assert "Whole-detector benchmark" not in stdout
+    # The timing runs' options do nothing in a profile: not offered.
+    for option in ("--steps", "--warmup", "--variable-sizes", "--inference-steps", "--inference-warmup", "--profile ",
+                   "--profile-only", "--no-progress"):
+        assert option not in stdout, option
+    assert "(default: work_dirs/profile/<config stem>)" in stdout
+    refused = _run_tool("profile_step.py", ["x.py", "--steps", "3"], expect_rc=2)
+    assert "unrecognized arguments: --steps 3" in refused.stderr
 
 
 def test_benchmark_refuses_a_shape_mask2former_cannot_take(tmp_path):
@@ -215,7 +223,7 @@ def test_bench_msda_checks_the_deterministic_backward_against_float64(monkeypatc
 
 def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
     completed = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), micro_config,
-                                "--rows", "triton:fp8", "--device", "cpu"], cwd=REPO_ROOT, env=_tool_environment(),
+                                "--rows", "triton:fp8", "--device", "cpu"], cwd=REPO_ROOT, env=checkout_environment(),
                                capture_output=True, text=True, timeout=120)
     assert completed.returncode == 2
     assert "mode 'fp8' is not one of fp32, fp16, bf16" in completed.stderr

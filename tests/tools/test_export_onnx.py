@@ -141,8 +141,9 @@ def write_config(tmp_path, text):
 SIZE = ["--shape", "128", "128"]
 BAD_REQUESTS = {
     "missing-checkpoint": (lambda tmp: [str(DEMO_CONFIG), str(tmp / "nowhere.pth"), *SIZE],
-                           "checkpoint file not found: .*nowhere.pth"),
-    "missing-config": (lambda tmp: [str(tmp / "nowhere.py"), *SIZE], "config file not found"),
+                           "checkpoint '.*nowhere.pth' does not exist"),
+    "missing-config": (lambda tmp: [str(tmp / "nowhere.py"), *SIZE], "config '.*nowhere.py' does not exist"),
+    "config-is-a-folder": (lambda tmp: [str(tmp), *SIZE], "config '.*' is a folder, not a file"),
     "no-msda": (lambda tmp: [write_config(tmp, "_base_ = 'mmdet::faster_rcnn/faster-rcnn_r50_fpn_1x_coco.py'\n"),
                              *SIZE],
                 "builds FasterRCNN, which has no MultiScaleDeformableAttention"),

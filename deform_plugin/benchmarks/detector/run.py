@@ -28,7 +28,9 @@ from deform_plugin.benchmarks.detector.synthetic import make_batch, make_variabl
 from deform_plugin.benchmarks.detector.timing import mmdet_line, time_inference, time_training, time_variable_sizes
 
 
-def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
+def build_parser(description: Optional[str] = None, profile_only: bool = False) -> argparse.ArgumentParser:
+    """The options of tools/benchmark.py; with ``profile_only``, those of tools/profile_step.py, which makes no
+    timing runs and so offers none of their options."""
     parser = argparse.ArgumentParser(description=description or __doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", help="config files (local files; stock configs via configs/...)")
@@ -44,26 +46,32 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
                         "pipeline (800 1333 for the DETR family), else 800 1333")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--num-gts", type=int, default=10, help="ground-truth objects per synthetic image")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=20, help="timed training steps (0: skip training)")
-    parser.add_argument("--variable-sizes", type=int, default=0, metavar="N",
-                        help="also time N training steps on batches of new random-resize sizes (shorter side "
-                        "480-800, longer <= 1333, COCO-like aspect ratios), then the same N batches again: img/s "
-                        "at new sizes, at seen sizes, and the cost of a new size per step")
-    parser.add_argument("--inference-warmup", type=int, default=5)
-    parser.add_argument("--inference-steps", type=int, default=20, help="timed batch-1 inferences (0: skip)")
-    parser.add_argument("--profile", action="store_true", help="also profile --profile-steps steps per row")
-    parser.add_argument("--profile-only", action="store_true", help="profile without the timing runs")
-    parser.add_argument("--profile-steps", type=int, default=3)
+    if profile_only:
+        parser.set_defaults(warmup=0, steps=0, variable_sizes=0, inference_warmup=0, inference_steps=0, profile=False,
+                            profile_only=True, no_progress=True)
+    else:
+        parser.add_argument("--warmup", type=int, default=5)
+        parser.add_argument("--steps", type=int, default=20, help="timed training steps (0: skip training)")
+        parser.add_argument("--variable-sizes", type=int, default=0, metavar="N",
+                            help="also time N training steps on batches of new random-resize sizes (shorter side "
+                            "480-800, longer <= 1333, COCO-like aspect ratios), then the same N batches again: img/s "
+                            "at new sizes, at seen sizes, and the cost of a new size per step")
+        parser.add_argument("--inference-warmup", type=int, default=5)
+        parser.add_argument("--inference-steps", type=int, default=20, help="timed batch-1 inferences (0: skip)")
+        parser.add_argument("--profile", action="store_true", help="also profile --profile-steps steps per row")
+        parser.add_argument("--profile-only", action="store_true", help="profile without the timing runs")
+    parser.add_argument("--profile-steps", type=int, default=3, help="profiled training steps per row")
     parser.add_argument("--trace", action="store_true", help="write a Chrome trace per profiled row (--out-dir)")
     parser.add_argument("--msda-kernel-regex", default=r"ms_?deform|msda|deform_?attn|grid_sampler",
                         help="kernel/op names counted as MSDA in profiles")
     parser.add_argument("--tf32", action="store_true", help="allow TF32 matmuls/convs (PyTorch default: off)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default=None, help="write NAME.json, NAME.csv, NAME.md (and NAME_profile.png)")
+    parser.add_argument("--out-dir", default=None, help="write NAME.json, NAME.csv, NAME.md (and NAME_profile.png)"
+                        + (" (default: work_dirs/profile/<config stem>)" if profile_only else ""))
     parser.add_argument("--name", default="benchmark", help="file stem of the outputs")
     parser.add_argument("--cfg-options", nargs="+", default=None, help="key=value overrides, as in mmdet tools")
-    parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
+    if not profile_only:
+        parser.add_argument("--no-progress", action="store_true", help="no tqdm bars")
     parser.add_argument("--fail-fast", action="store_true", help="stop at the first failing row")
     parser.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
                         help="start no new row after this many seconds (they are reported as skipped)")
@@ -199,7 +207,7 @@ def run_row(config_path: str, row: Row, args, shape: Tuple[int, int]) -> dict:
 
 def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None, **defaults) -> int:
     """Run the benchmark; ``defaults`` override argument defaults (``tools/profile_step.py``: profile only)."""
-    parser = build_parser(description)
+    parser = build_parser(description, profile_only=defaults.get("profile_only", False))
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     from mmengine.logging import MMLogger

@@ -25,6 +25,7 @@ PROFILER_HOOK = "StepProfilerHook"
 SUPPORTED_DATASET = "CocoDataset"
 NEVER = 10 ** 9  # an interval no benchmark reaches
 SIDES = ("stock", "ours")
+SHAPE_BUCKETS_HOOK = "ShapeBucketsHook"
 MODES = ("fp32", "fp16", "bf16")
 
 
@@ -36,26 +37,36 @@ class UnsupportedConfig(ValueError):
 class Row:
     side: str
     mode: str
+    buckets: bool = True  # False: the config's ShapeBucketsHook removed (stock's padding)
+    cold_cache: bool = False  # True: an empty Triton cache of its own (every kernel compiles in the row)
 
     @property
     def label(self) -> str:
-        return f"{self.side}:{self.mode}"
+        return f"{self.side}:{self.mode}" + "".join(f":{option}" for option, on in
+                                                   (("no-buckets", not self.buckets), ("cold", self.cold_cache))
+                                                   if on)
 
     @property
     def stock(self) -> bool:
         return self.side == "stock"
 
 
+ROW_OPTIONS = ("no-buckets", "cold")
+
+
 def parse_row(text: str) -> Row:
-    side, _, mode = text.partition(":")
+    """``SIDE:MODE[:no-buckets][:cold]``."""
+    side, mode, *options = text.split(":") + ([""] if ":" not in text else [])
     problems = []
     if side not in SIDES:
         problems.append(f"side {side!r} is not one of {', '.join(SIDES)}")
     if mode not in MODES:
         problems.append(f"mode {mode!r} is not one of {', '.join(MODES)}")
+    problems += [f"option {option!r} is not one of {', '.join(ROW_OPTIONS)}" for option in options
+                 if option not in ROW_OPTIONS]
     if problems:
-        raise argparse.ArgumentTypeError(f"row {text!r} is not SIDE:MODE: " + "; ".join(problems))
-    return Row(side, mode)
+        raise argparse.ArgumentTypeError(f"row {text!r} is not SIDE:MODE[:no-buckets][:cold]: " + "; ".join(problems))
+    return Row(side, mode, buckets="no-buckets" not in options, cold_cache="cold" in options)
 
 
 @dataclass(frozen=True)
@@ -216,6 +227,8 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
     imports = custom_imports.get("imports", [])
     imports = [imports] if isinstance(imports, str) else list(imports)
     hooks = copy.deepcopy(list(base.get("custom_hooks") or []))
+    if not row.buckets:
+        hooks = [hook for hook in hooks if hook.get("type") != SHAPE_BUCKETS_HOOK]
     if row.stock:
         imports = [name for name in imports if not is_plugin_module(name)]
         hooks = [hook for hook in hooks if hook.get("type") not in PLUGIN_HOOKS]

@@ -81,8 +81,8 @@ def row_command(row: Row, overlay_path: Path, work_dir: Path, gpus: int = 1,
     return command
 
 
-def child_environment() -> Dict[str, str]:
-    env = dict(os.environ)
+def child_environment(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    env = dict(os.environ, **(extra or {}))
     # Our rows import deform_plugin (and the timing hook in it) from this checkout, installed or not.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -96,14 +96,16 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return f"(no log: {error})"
 
 
-def run_child(command: Sequence[str], log_path: Path, timeout_s: float) -> Tuple[Optional[int], float]:
-    """Run ``command`` with its output in ``log_path``; returns (exit status or None on timeout, seconds)."""
+def run_child(command: Sequence[str], log_path: Path, timeout_s: float,
+              env: Optional[Dict[str, str]] = None) -> Tuple[Optional[int], float]:
+    """Run ``command`` (``env``: variables added to the child's environment) with its output in ``log_path``;
+    returns (exit status or None on timeout, seconds)."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
         log.write("$ " + " ".join(command) + "\n")
         log.flush()
         # A session of its own, so a timeout also ends the dataloader workers the child started.
-        process = subprocess.Popen(command, cwd=REPO_ROOT, env=child_environment(), stdout=log,
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=child_environment(env), stdout=log,
                                    stderr=subprocess.STDOUT, start_new_session=True)
         try:
             returncode = process.wait(timeout=timeout_s)
@@ -117,7 +119,7 @@ def run_child(command: Sequence[str], log_path: Path, timeout_s: float) -> Tuple
 def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings: Settings, scratch: Path,
             out_dir: Path) -> dict:
     """Write the row's overlay, train it in a child process, and return its result (``status`` ok or failed)."""
-    name = f"{config_path.stem}__{row.side}-{row.mode}"
+    name = f"{config_path.stem}__{row.label.replace(':', '-')}"
     timing_file = scratch / "timing" / f"{name}.json"
     work_dir = scratch / "work_dirs" / name
     overlay_path = scratch / "configs" / f"{name}.py"
@@ -136,7 +138,9 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
         if leftovers:
             result["error"] = "the stock overlay still names deform_plugin: " + ", ".join(leftovers)
             return result
-    returncode, wall_s = run_child(command, log_path, settings.timeout_s)
+    # A cold row compiles every Triton kernel into an empty cache of its own, as a first run on a new machine does.
+    env = {"TRITON_CACHE_DIR": str(scratch / "triton_cache" / name)} if row.cold_cache else None
+    returncode, wall_s = run_child(command, log_path, settings.timeout_s, env)
     result.update(returncode=returncode, wall_s=wall_s)
     if returncode is None:
         result["error"] = f"timed out after {settings.timeout_s:.0f} s\n{log_tail(log_path)}"
@@ -185,8 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "rows each in its own process.")
     parser.add_argument("configs", nargs="+", type=Path, help="config files (detection or instance segmentation)")
     parser.add_argument("--rows", nargs="+", type=parse_row, default=[parse_row(r) for r in DEFAULT_ROWS],
-                        help="SIDE:MODE rows, SIDE in stock|ours, MODE in fp32|fp16|bf16; the first row is the "
-                             "speedup baseline (default: %(default)s)")
+                        help="SIDE:MODE[:no-buckets][:cold] rows, SIDE in stock|ours, MODE in fp32|fp16|bf16; "
+                             "no-buckets removes the config's ShapeBucketsHook, cold gives the row an empty Triton "
+                             f"cache; the first row is the speedup baseline (default: {' '.join(DEFAULT_ROWS)})")
     parser.add_argument("--iters", type=int, default=Settings.iters, help="training iterations per row")
     parser.add_argument("--batch-size", type=int, default=Settings.batch_size, help="images per iteration")
     parser.add_argument("--workers", type=int, default=Settings.workers, help="dataloader workers")

@@ -56,7 +56,7 @@ def _distributed_over_processes() -> bool:
 
 
 def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gradient_slots=None,
-                     **switch_values) -> Dict[str, int]:
+                     capture_policy=None, **switch_values) -> Dict[str, int]:
     """Turn on the selected fast paths on ``model`` (unwrapping DDP); returns how many sites each one changed.
 
     The switches come as a :class:`FastPaths` or as its fields by keyword (``sdpa_attention=True, ...``), not both;
@@ -65,6 +65,8 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
     DistributedDataParallel) gives the DETRs' backbone and neck a graphed region of their own; ``gradient_slots``
     (never with DistributedDataParallel) let the graphed regions hand the parameters their gradients without
     autograd's per-parameter accumulation (see :func:`.graphed_training.enable_cuda_graph_training`).
+    ``capture_policy`` (a :class:`deform_plugin.cuda_graphs.CapturePolicy`) says when ``cuda_graphs`` captures an
+    input shape.
     """
     if switches is not None and switch_values:
         raise TypeError(f"apply_fast_paths takes a FastPaths or switches by keyword, not both (got "
@@ -100,5 +102,6 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
         split = paths.split_graphs_at_features
         if split is None:
             split = _distributed_over_processes() and gradient_slots is None
-        changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split, gradient_slots=gradient_slots)
+        changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split, gradient_slots=gradient_slots,
+                                                    policy=capture_policy)
     return changed

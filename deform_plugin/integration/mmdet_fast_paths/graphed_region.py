@@ -4,19 +4,19 @@ A DETR training step in bf16 is host-bound: the GPU waits while Python, the disp
 launch thousands of small kernels. Replaying a captured graph launches the region's whole forward (or backward) in
 one call. :class:`GraphedRegion` wraps a function ``fn(*inputs) -> (outputs, constants)`` — ``outputs`` a pytree of
 tensors (or None) computed on the device, ``constants`` anything that is the same for every call of one signature
-(for example level tables cached on the host's sizes) — and runs it:
+(for example level tables cached on the host's sizes) — and runs each signature eagerly until it earns its graphs
+under the region's :class:`~deform_plugin.cuda_graphs.CapturePolicy`, then captures the forward and the backward
+(``torch.autograd.grad`` of the differentiable outputs with respect to the trainable parameters) and replays them:
 
-- eagerly the first time a signature is seen: that call is the warm-up (Triton compiles, cuDNN/cuBLAS handles
-  and plans);
-- the second time, it captures the forward and the backward (``torch.autograd.grad`` of the differentiable outputs
-  with respect to the trainable parameters) and replays them from then on.
+- ``capture_after=2`` (the default): a shape is captured at its second call, so a run whose batches rarely repeat a
+  shape (a random-resize pipeline without ``ShapeBucketsHook``) runs them eagerly instead of paying a capture each;
+- ``capture_after=1``: the first call of each kind (dtypes, modes) is the eager warm-up (Triton compiles, cuDNN and
+  cuBLAS create their handles); a new shape of a warmed-up kind is captured at its first call, saving its eager
+  step: right where shapes recur by construction (batches padded by ``ShapeBucketsHook``). Where such a capture
+  fails (a library that must run or synchronise to choose, such as ``cudnn.benchmark``), the call runs eagerly as
+  the shape's warm-up and the shape is captured at its next call.
 
-A signature that differs from a warmed-up one only in its input shapes (a new image size in the same dtype and
-mode) is captured at its first call instead: the kernels it runs are compiled already (ours do not recompile for new
-sizes) and the libraries' handles exist, and what is new for the shape (cuDNN's plans) is chosen on the host during
-the capture. That saves the eager warm-up step, the costliest iteration a new shape has. Where such a capture fails
-(a library that must run or synchronise to choose, such as ``cudnn.benchmark``), the call runs eagerly as the
-warm-up and the signature is captured at its next call, as a new kind is.
+The graphs, their pool, stream, fallback and bookkeeping are a :class:`~deform_plugin.cuda_graphs.GraphCache`'s.
 
 Inputs that require grad (for example query embeddings looked up outside the region) get their gradients from the
 backward graph too; the others are data (images, sizes, masks).
@@ -26,16 +26,10 @@ from the same distribution). The values the graphs read are the static input buf
 in), the parameters (updated in place by the optimizer) and the constants; anything else the function reads on the
 host at capture time is frozen into the graph, so a region function must take every per-call value as an input
 tensor. Static inputs, outputs and output gradients of every signature are views of shared buffers, and all
-signatures capture on one stream into one memory pool: only one signature's graphs run at a time, so the memory of a
-region is about that of its largest signature, not the sum. (The caching allocator hands a freed block only to
-requests on the stream it was allocated on: a fresh capture stream per signature would strand every earlier
-signature's activation memory in the pool.)
+signatures capture on the cache's one stream into its one memory pool: only one signature's graphs run at a time,
+so the memory of a region is about that of its largest signature, not the sum.
 
-A signature falls back to eager (with one log line) when its capture after a warm-up fails (one that runs out of
-memory is tried once more after the allocator's unused cached blocks are released), or beyond ``max_graphs``
-signatures.
-A call made while the previous replay still awaits its backward (a second forward before a backward) runs eagerly
-too.
+A call made while the previous replay still awaits its backward (a second forward before a backward) runs eagerly.
 """
 from __future__ import annotations
 
@@ -45,24 +39,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils._pytree as pytree
-from mmengine.logging import print_log
 
-
-class _SharedBuffers:
-    """Flat device buffers, one per role, that every signature's static tensors view; they grow, never shrink."""
-
-    def __init__(self):
-        self._buffers: Dict[Any, torch.Tensor] = {}
-
-    def view_like(self, role, like: torch.Tensor) -> torch.Tensor:
-        numel = like.numel()
-        key = (role, like.dtype, like.device)
-        buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < numel:
-            # Graphs captured before keep their views of the old buffer alive.
-            buffer = torch.empty(max(numel, 1), dtype=like.dtype, device=like.device)
-            self._buffers[key] = buffer
-        return buffer[:numel].view(like.shape)
+from deform_plugin.cuda_graphs import CapturePolicy, GraphCache, SharedBuffers
 
 
 class _Captured:
@@ -124,16 +102,15 @@ class _Replay(torch.autograd.Function):
 
 
 class GraphedRegion:
-    """Run ``fn`` eagerly on a signature's first call, from captured CUDA graphs on later calls.
+    """Run ``fn`` eagerly until a signature earns its graphs under ``policy``, from captured CUDA graphs after.
 
     Args:
         fn: ``fn(*inputs) -> (outputs, constants)``; ``inputs`` are tensors on one CUDA device (data such as
             images and sizes, or tensors that require grad), ``outputs`` a pytree of tensors and Nones.
         module: the module whose trainable parameters the backward graph differentiates.
         name: used in log lines.
-        max_graphs: signatures captured at most; later new signatures run eagerly.
-        capture_new_shapes_at_first_call: capture a signature that differs from a warmed-up one only in its input
-            shapes at its first call, without an eager warm-up (False: every signature warms up eagerly first).
+        policy: when a signature is captured and how many are kept (:class:`~deform_plugin.cuda_graphs.CapturePolicy`;
+            its default captures a shape at its second call).
         parameter_filter: which of ``module``'s trainable parameters (by name) the backward graph differentiates;
             all by default. Two regions that split one network each take their own (see
             :mod:`.graphed_training`).
@@ -152,38 +129,42 @@ class GraphedRegion:
     # Graphs are CUDA graphs; tests emulate them on the CPU with a subclass that sets this to "cpu".
     device_type = "cuda"
 
-    def __init__(self, fn: Callable, module: torch.nn.Module, name: str, max_graphs: int = 64,
-                 capture_new_shapes_at_first_call: bool = True,
+    def __init__(self, fn: Callable, module: torch.nn.Module, name: str, policy: Optional[CapturePolicy] = None,
                  parameter_filter: Optional[Callable[[str], bool]] = None, reports_signatures: bool = True,
                  gradient_slots=None):
         self.fn = fn
-        self.gradient_slots = gradient_slots
         self.module = module
+        self.name = name
+        self.graphs = GraphCache(name, policy)
         self.parameter_filter = parameter_filter
         self.reports_signatures = reports_signatures
-        self.name = name
-        self.max_graphs = max_graphs
-        self.capture_new_shapes_at_first_call = capture_new_shapes_at_first_call
-        self.captured: Dict[tuple, _Captured] = {}
-        self.calls_seen: Dict[tuple, int] = {}
-        self.eager_reasons: Dict[tuple, str] = {}
-        self.warmed_up_kinds: set = set()  # signatures without their shapes that have run eagerly once
-        self.first_call_captures = 0  # signatures captured without a warm-up (benchmarks report them)
-        self.first_call_capture_failures: Dict[tuple, str] = {}  # and those that needed one after all, with why
-        self.shared = _SharedBuffers()
+        self.gradient_slots = gradient_slots
+        self.shared = SharedBuffers()
         self.param_grad_buffers: Dict[int, torch.Tensor] = {}
         self.slotted_params: set = set()  # ids of the parameters whose gradient buffer is their slot
-        self.pool = None
-        self.capture_stream: Optional[torch.cuda.Stream] = None
-        self.replays = 0
-        self.eager_calls = 0
-        self.capture_seconds = 0.0  # host time spent capturing (benchmarks report it)
-        # Where it went: running the forward and the backward under capture (the host's launches and the libraries'
-        # per-shape planning) and instantiating the graphs.
-        self.capture_phase_seconds = {"forward": 0.0, "backward": 0.0, "instantiate": 0.0}
+        # Host time running the forward and the backward under capture (the host's launches and the libraries'
+        # per-shape planning), instantiation included.
+        self.capture_run_seconds = {"forward": 0.0, "backward": 0.0}
         # The autograd node of the last replay until its backward runs (weakly: a graph dropped without a backward
         # frees the region).
         self.awaiting_backward: Optional[weakref.ref] = None
+
+    # What benchmarks and tests read, kept by the cache.
+    policy = property(lambda self: self.graphs.policy)
+    captured = property(lambda self: self.graphs.entries)
+    eager_reasons = property(lambda self: self.graphs.eager_reasons)
+    calls_seen = property(lambda self: self.graphs.calls)
+    first_call_captures = property(lambda self: self.graphs.first_call_captures)
+    first_call_capture_failures = property(lambda self: self.graphs.unwarmed_capture_failures)
+    replays = property(lambda self: self.graphs.replays)
+    eager_calls = property(lambda self: self.graphs.eager_calls)
+    capture_seconds = property(lambda self: self.graphs.capture_seconds)
+
+    @property
+    def capture_phase_seconds(self) -> Dict[str, float]:
+        """Where the capture time went: running the forward and the backward under capture, and of those,
+        instantiating the graphs."""
+        return dict(self.capture_run_seconds, instantiate=self.graphs.instantiate_seconds)
 
     # -- what a call runs -------------------------------------------------------------------------------------------
     def signature(self, inputs: Sequence[torch.Tensor]) -> tuple:
@@ -201,35 +182,28 @@ class GraphedRegion:
         num_inputs = len(signature) - 3
         return tuple(entry[1:] for entry in signature[:num_inputs]) + signature[num_inputs:]
 
+    @staticmethod
+    def _described(key: tuple) -> str:
+        return f" inputs {[list(entry[0]) for entry in key[:-3]]}"
+
     def __call__(self, *inputs: torch.Tensor) -> Tuple[Any, Any]:
         if not (torch.is_grad_enabled() and all(x.device.type == self.device_type for x in inputs)):
             return self._eager(inputs)
         key = self.signature(inputs)
-        entry = self.captured.get(key)
+        entry = self.graphs.entries.get(key)
         if entry is None:
-            if key in self.eager_reasons:
-                return self._eager(inputs)
-            seen = self.calls_seen.get(key, 0) + 1
-            self.calls_seen[key] = seen
-            kind = self.kind(key)
-            first_call_capture = (seen == 1 and self.capture_new_shapes_at_first_call
-                                  and kind in self.warmed_up_kinds)
-            if seen == 1 and not first_call_capture:  # the warm-up
-                self.warmed_up_kinds.add(kind)
-                return self._eager(inputs)
-            if len(self.captured) >= self.max_graphs:
-                self._fall_back(key, f"{self.max_graphs} signatures are captured already (max_graphs)")
-                return self._eager(inputs)
-            entry = self._capture_or_fall_back(key, inputs, warmed_up=not first_call_capture)
+            if not self.graphs.earns_capture(key, self.kind(key)):
+                return self._eager(inputs, key)
+            entry = self.graphs.capture(key, lambda: self.capture(inputs), inputs[0].device, self._described(key),
+                                        release_cached_memory=self.release_cached_memory)
             if entry is None:
-                return self._eager(inputs)
+                return self._eager(inputs, key)
         if self.awaiting_backward is not None and self.awaiting_backward() is not None:
             # The last replay's autograd graph lives and its backward has not run: a replay of any signature would
             # overwrite the activations (shared pool) and outputs (shared buffers) that backward reads.
-            return self._eager(inputs)
-        params = entry.params
-        outputs = _Replay.apply(self, entry, len(inputs), *inputs, *params)
-        self.replays += 1
+            return self._eager(inputs, key)
+        outputs = _Replay.apply(self, entry, len(inputs), *inputs, *entry.params)
+        self.graphs.replays += 1
         differentiable = [out for out in outputs if out.grad_fn is not None]
         self.awaiting_backward = weakref.ref(differentiable[0].grad_fn) if differentiable else None
         leaves, it = [], iter(outputs)
@@ -237,14 +211,9 @@ class GraphedRegion:
             leaves.append(None if static is None else next(it))
         return pytree.tree_unflatten(leaves, entry.output_spec), entry.constants
 
-    def _eager(self, inputs):
-        self.eager_calls += 1
+    def _eager(self, inputs, key=None):
+        self.graphs.note_eager_call(key)
         return self.fn(*inputs)
-
-    def _fall_back(self, key, reason: str) -> None:
-        self.eager_reasons[key] = reason
-        print_log(f"deform_plugin: {self.name} of inputs {[list(k[0]) for k in key[:-3]]} runs eagerly: {reason}",
-                  logger="current")
 
     # -- replay -----------------------------------------------------------------------------------------------------
     def replay_forward(self, entry: _Captured) -> None:
@@ -288,75 +257,66 @@ class GraphedRegion:
         return into_slots
 
     # -- capture ----------------------------------------------------------------------------------------------------
-    def _capture_or_fall_back(self, key, inputs, warmed_up: bool = True) -> Optional[_Captured]:
-        """Capture ``key``'s signature; None where that fails. A signature that has warmed up then runs eagerly for
-        good (one log line); one captured at its first call (``warmed_up=False``) runs this call eagerly as its
-        warm-up and captures at the next."""
-        started = time.perf_counter()
-        try:
-            try:
-                entry = self.capture(inputs)
-            except torch.OutOfMemoryError:
-                if not warmed_up:
-                    raise
-                # The eager steps' allocator may cache most of the card in blocks the graph pool cannot use: give
-                # them back to the driver and try once more before this signature runs eagerly for good.
-                self.release_cached_memory(inputs[0].device)
-                entry = self.capture(inputs)
-        except (RuntimeError, ValueError) as error:  # torch.AcceleratorError is one; ValueError: level_tables'
-            self.capture_seconds += time.perf_counter() - started
-            reason = str(error).splitlines()[0]
-            self._check_device_usable(inputs[0].device, reason, error)
-            if warmed_up:
-                self._fall_back(key, f"its capture failed ({reason})")
-            else:
-                self.first_call_capture_failures[key] = reason
-            return None
-        seconds = time.perf_counter() - started
-        self.capture_seconds += seconds
-        self.captured[key] = entry
-        if not warmed_up:
-            self.first_call_captures += 1
-        phases = self.capture_phase_seconds
-        print_log(f"deform_plugin: {self.name} captured inputs {[list(k[0]) for k in key[:-3]]} in {seconds:.3f} s "
-                  f"(all captures so far: forward {phases['forward']:.2f} s, backward {phases['backward']:.2f} s, "
-                  f"of which {phases['instantiate']:.2f} s instantiating graphs)", logger="current")
-        return entry
-
-    def _check_device_usable(self, device: torch.device, reason: str, error: BaseException) -> None:
-        """Raise a clear error where a failed capture left CUDA unusable (the step cannot go on)."""
-        if device.type != "cuda":
-            return
-        try:
-            torch.cuda.synchronize(device)
-            torch.empty(1, device=device).uniform_()
-        except RuntimeError as broken:
-            raise RuntimeError(f"deform_plugin: the CUDA graph capture of {self.name} failed ({reason}) and left "
-                               f"CUDA unusable ({str(broken).splitlines()[0]}); turn the cuda_graphs fast path off "
-                               "for this model") from error
-
     def release_cached_memory(self, device: torch.device) -> None:
         """Return the caching allocator's unused blocks to the driver (after a capture ran out of memory)."""
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        self.graphs.release_cached_memory(device)
 
     def capture(self, inputs: Sequence[torch.Tensor]) -> _Captured:
-        """Capture the forward and backward graphs of ``inputs``' signature (which has been run eagerly before)."""
-        device = inputs[0].device
+        """Capture the forward and backward graphs of ``inputs``' signature."""
         entry = _Captured()
+        region_inputs, input_indices = self._static_inputs(entry, inputs)
+        named = [(name, p) for name, p in self.module.named_parameters()
+                 if p.requires_grad and (self.parameter_filter is None or self.parameter_filter(name))]
+        entry.params = [p for _, p in named]
+        self._gradient_buffers(entry)
+        # The capture differentiates fresh leaves that share the parameters' storage (so replays read the current
+        # weights): the parameters' own autograd accumulators belong to the eager stream, and the backward engine
+        # would synchronise the capturing stream with it, which a capture cannot do.
+        aliases = {name: p.detach().requires_grad_() for name, p in named}
+        holder = _CallWithParameters(self.module, self.fn)
+        captured = {}
+
+        def run_forward():
+            outputs, constants = torch.func.functional_call(
+                holder, {f"module.{name}": alias for name, alias in aliases.items()}, region_inputs)
+            captured["differentiable"] = self._keep_outputs(entry, outputs, constants)
+
+        def run_backward():
+            self._differentiate(entry, captured.pop("differentiable"), input_indices,
+                                [region_inputs[i] for i in input_indices], list(aliases.values()))
+
+        device = inputs[0].device
+        if device.type != "cuda":  # graphs emulated by a subclass (tests)
+            entry.forward_graph = self.capture_graph(run_forward)
+            entry.backward_graph = self.capture_graph(run_backward)
+            return entry
+        autocast_on, autocast_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        with self.graphs.capture_stream(device), \
+                torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_on, cache_enabled=False):
+            # Autocast's weight cache is off: a cached cast would be captured once and never recomputed after the
+            # optimizer changes the weight.
+            started = time.perf_counter()
+            entry.forward_graph = self.capture_graph(run_forward)
+            forward_done = time.perf_counter()
+            entry.backward_graph = self.capture_graph(run_backward)
+            self.capture_run_seconds["forward"] += forward_done - started
+            self.capture_run_seconds["backward"] += time.perf_counter() - forward_done
+        return entry
+
+    def _static_inputs(self, entry: _Captured, inputs: Sequence[torch.Tensor]):
+        """The static input buffers, filled with ``inputs``; what the captured forward reads (fresh leaves where an
+        input requires grad) and the indices of those inputs."""
         entry.static_inputs = [self.shared.view_like(("input", i), x) for i, x in enumerate(inputs)]
         entry.input_needs_grad = [x.requires_grad for x in inputs]
         with torch.no_grad():
             for static, value in zip(entry.static_inputs, inputs):
                 static.copy_(value)
-        # What the captured forward reads: the static buffers, as fresh leaves where the input requires grad.
         region_inputs = tuple(static.detach().requires_grad_() if needs else static
                               for static, needs in zip(entry.static_inputs, entry.input_needs_grad))
-        input_indices = [i for i, needs in enumerate(entry.input_needs_grad) if needs]
-        input_leaves = [region_inputs[i] for i in input_indices]
-        named = [(name, p) for name, p in self.module.named_parameters()
-                 if p.requires_grad and (self.parameter_filter is None or self.parameter_filter(name))]
-        entry.params = [p for _, p in named]
+        return region_inputs, [i for i, needs in enumerate(entry.input_needs_grad) if needs]
+
+    def _gradient_buffers(self, entry: _Captured) -> None:
+        """Each parameter's gradient buffer (its slot where it has one), made once for every signature."""
         for p in entry.params:
             if id(p) not in self.param_grad_buffers:
                 slot = None if self.gradient_slots is None else self.gradient_slots.slot(p)
@@ -365,84 +325,45 @@ class GraphedRegion:
                 if slot is not None:
                     self.slotted_params.add(id(p))
         entry.params_have_slots = all(id(p) in self.slotted_params for p in entry.params)
-        # The capture differentiates fresh leaves that share the parameters' storage (so replays read the current
-        # weights): the parameters' own autograd accumulators belong to the eager stream, and the backward engine
-        # would synchronise the capturing stream with it, which a capture cannot do.
-        aliases = {name: p.detach().requires_grad_() for name, p in named}
-        holder = _CallWithParameters(self.module, self.fn)
-        if self.pool is None and device.type == "cuda":
-            self.pool = torch.cuda.graph_pool_handle()
-        autocast_on, autocast_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
-        captured = {}
 
-        def run_forward():
-            outputs, constants = torch.func.functional_call(
-                holder, {f"module.{name}": alias for name, alias in aliases.items()}, region_inputs)
-            leaves, spec = pytree.tree_flatten(outputs)
-            if entry.output_spec is None:
-                entry.output_spec, entry.constants = spec, constants
-                for i, leaf in enumerate(leaves):
-                    if leaf is not None and not isinstance(leaf, torch.Tensor):
-                        raise RuntimeError(f"{self.name} returned a {type(leaf).__name__}, not a tensor")
-                    entry.static_outputs.append(None if leaf is None else self.shared.view_like(("output", i), leaf))
-            for static, leaf in zip(entry.static_outputs, leaves):
-                if static is not None:
-                    static.copy_(leaf)
-            captured["differentiable"] = [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
-            if not entry.differentiable:
-                entry.differentiable = [leaf.requires_grad for leaf in leaves if leaf is not None]
+    def _keep_outputs(self, entry: _Captured, outputs, constants) -> List[torch.Tensor]:
+        """Copy the forward's outputs into the static outputs (made at the first capture); the differentiable
+        ones."""
+        leaves, spec = pytree.tree_flatten(outputs)
+        if entry.output_spec is None:
+            entry.output_spec, entry.constants = spec, constants
+            for i, leaf in enumerate(leaves):
+                if leaf is not None and not isinstance(leaf, torch.Tensor):
+                    raise RuntimeError(f"{self.name} returned a {type(leaf).__name__}, not a tensor")
+                entry.static_outputs.append(None if leaf is None else self.shared.view_like(("output", i), leaf))
+        for static, leaf in zip(entry.static_outputs, leaves):
+            if static is not None:
+                static.copy_(leaf)
+        if not entry.differentiable:
+            entry.differentiable = [leaf.requires_grad for leaf in leaves if leaf is not None]
+        return [leaf for leaf in leaves if leaf is not None and leaf.requires_grad]
 
-        def run_backward():
-            differentiable = captured.pop("differentiable")
-            if not entry.static_output_grads:
-                entry.static_output_grads = [self.shared.view_like(("output_grad", i), leaf)
-                                             for i, leaf in enumerate(differentiable)]
-            grads = torch.autograd.grad(differentiable, input_leaves + list(aliases.values()),
-                                        grad_outputs=entry.static_output_grads, allow_unused=True)
-            input_grads, grads = grads[:len(input_leaves)], grads[len(input_leaves):]
-            if not entry.static_input_grads:
-                entry.static_input_grads = [None] * len(inputs)
-                for i, grad in zip(input_indices, input_grads):
-                    if grad is not None:
-                        entry.static_input_grads[i] = self.shared.view_like(("input_grad", i), grad)
-            entry.param_has_grad = [grad is not None for grad in grads]
-            pairs = [(self.param_grad_buffers[id(p)], grad) for p, grad in zip(entry.params, grads)
-                     if grad is not None]
-            pairs += [(entry.static_input_grads[i], grad) for i, grad in zip(input_indices, input_grads)
-                      if grad is not None]
-            if pairs:
-                torch._foreach_copy_([buffer for buffer, _ in pairs], [grad for _, grad in pairs])
-
-        if device.type != "cuda":  # graphs emulated by a subclass (tests)
-            entry.forward_graph = self.capture_graph(run_forward)
-            entry.backward_graph = self.capture_graph(run_backward)
-            return entry
-        if self.capture_stream is None:
-            self.capture_stream = torch.cuda.Stream(device=device)
-        side = self.capture_stream
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side), \
-                torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_on, cache_enabled=False):
-            # Autocast's weight cache is off: a cached cast would be captured once and never recomputed after the
-            # optimizer changes the weight.
-            started = time.perf_counter()
-            entry.forward_graph = self.capture_graph(run_forward)
-            forward_done = time.perf_counter()
-            entry.backward_graph = self.capture_graph(run_backward)
-            self.capture_phase_seconds["forward"] += forward_done - started
-            self.capture_phase_seconds["backward"] += time.perf_counter() - forward_done
-        torch.cuda.current_stream(device).wait_stream(side)
-        return entry
+    def _differentiate(self, entry: _Captured, differentiable, input_indices, input_leaves, parameter_leaves):
+        """The backward: gradients of ``differentiable`` (given the static output gradients) into the parameters'
+        gradient buffers and the static input gradients."""
+        if not entry.static_output_grads:
+            entry.static_output_grads = [self.shared.view_like(("output_grad", i), leaf)
+                                         for i, leaf in enumerate(differentiable)]
+        grads = torch.autograd.grad(differentiable, input_leaves + parameter_leaves,
+                                    grad_outputs=entry.static_output_grads, allow_unused=True)
+        input_grads, grads = grads[:len(input_leaves)], grads[len(input_leaves):]
+        if not entry.static_input_grads:
+            entry.static_input_grads = [None] * len(entry.static_inputs)
+            for i, grad in zip(input_indices, input_grads):
+                if grad is not None:
+                    entry.static_input_grads[i] = self.shared.view_like(("input_grad", i), grad)
+        entry.param_has_grad = [grad is not None for grad in grads]
+        pairs = [(self.param_grad_buffers[id(p)], grad) for p, grad in zip(entry.params, grads) if grad is not None]
+        pairs += [(entry.static_input_grads[i], grad) for i, grad in zip(input_indices, input_grads)
+                  if grad is not None]
+        if pairs:
+            torch._foreach_copy_([buffer for buffer, _ in pairs], [grad for _, grad in pairs])
 
     def capture_graph(self, work: Callable[[], None]):
         """A graph that replays the kernels ``work()`` launches (``work`` runs once, now)."""
-        graph = torch.cuda.CUDAGraph()
-        # 'thread_local': the data loader's pinning thread may call CUDA while this thread captures.
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-        try:
-            work()
-        finally:
-            ended = time.perf_counter()
-            graph.capture_end()  # instantiates the graph
-            self.capture_phase_seconds["instantiate"] += time.perf_counter() - ended
-        return graph
+        return self.graphs.capture_graph(work)[0]

@@ -36,12 +36,14 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
+from deform_plugin.cuda_graphs import CapturePolicy
+
 from .graphed_region import GraphedRegion
 from .matching import image_size_factor
 from .sync_free_forward import deformable_detr_pre_transformer_from_image_sizes
 
 
-def _image_sizes(batch_data_samples, device) -> torch.Tensor:
+def image_sizes_tensor(batch_data_samples, device) -> torch.Tensor:
     """Each image's (height, width) inside the batch, on ``device`` (copied without blocking)."""
     sizes = torch.tensor([list(sample.img_shape[:2]) for sample in batch_data_samples], dtype=torch.int64)
     if torch.device(device).type == "cuda":
@@ -49,7 +51,7 @@ def _image_sizes(batch_data_samples, device) -> torch.Tensor:
     return sizes.to(device, non_blocking=True)
 
 
-def _encoder(detector, batch_inputs, image_sizes, features=None):
+def detr_encoder(detector, batch_inputs, image_sizes, features=None):
     # ``features``: the backbone's and neck's outputs where another region computed them (``batch_inputs`` then
     # only carries the padded batch's height and width in its shape).
     img_feats = detector.extract_feat(batch_inputs) if features is None else features
@@ -59,7 +61,7 @@ def _encoder(detector, batch_inputs, image_sizes, features=None):
     return encoder_outputs, decoder_inputs
 
 
-def _decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples=None):
+def detr_decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples=None):
     # mmdet 3.3.0's forward_transformer after the encoder (DINO's pre_decoder also takes the data samples).
     extra = {} if batch_data_samples is None else dict(batch_data_samples=batch_data_samples)
     decoder_inputs_from_encoder, head_inputs = detector.pre_decoder(**encoder_outputs, **extra)
@@ -85,7 +87,7 @@ def _pixels_only(batch_inputs, batch_data_samples):
 
 
 def _pixels_and_image_sizes(batch_inputs, batch_data_samples):
-    return (batch_inputs, _image_sizes(batch_data_samples, batch_inputs.device)), None
+    return (batch_inputs, image_sizes_tensor(batch_data_samples, batch_inputs.device)), None
 
 
 def _region_and_tail(detector) -> Optional[_GraphedLoss]:
@@ -143,8 +145,8 @@ def _detr_region_and_tail(detector):
         if type(head).loss is DeformableDETRHead.loss:
             # mmdet 3.3.0's DeformableDETRHead.loss, its forward (the class and box branches) inside the region.
             def whole_network(batch_inputs, image_sizes, features=None):
-                encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes, features)
-                head_inputs = _decoder(detector, encoder_outputs, decoder_inputs)
+                encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
+                head_inputs = detr_decoder(detector, encoder_outputs, decoder_inputs)
                 outputs = dict(head_outputs=head(head_inputs["hidden_states"], head_inputs["references"]),
                                enc_outputs_class=head_inputs.get("enc_outputs_class"),
                                enc_outputs_coord=head_inputs.get("enc_outputs_coord"))
@@ -158,8 +160,8 @@ def _detr_region_and_tail(detector):
             return _GraphedLoss(whole_network, _pixels_and_image_sizes, tail, splits_at_features=True)
 
         def transformer_only(batch_inputs, image_sizes, features=None):
-            encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes, features)
-            return _decoder(detector, encoder_outputs, decoder_inputs), None
+            encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
+            return detr_decoder(detector, encoder_outputs, decoder_inputs), None
 
         def head_tail(head_inputs, _, batch_data_samples, __):
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
@@ -170,7 +172,7 @@ def _detr_region_and_tail(detector):
             return whole
 
         def backbone_and_encoder(batch_inputs, image_sizes, features=None):
-            encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes, features)
+            encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
             outputs = dict(memory=encoder_outputs["memory"], memory_mask=encoder_outputs["memory_mask"],
                            valid_ratios=decoder_inputs["valid_ratios"])
             tables = dict(spatial_shapes=decoder_inputs["spatial_shapes"],
@@ -181,7 +183,7 @@ def _detr_region_and_tail(detector):
             encoder_outputs = dict(memory=outputs["memory"], memory_mask=outputs["memory_mask"],
                                    spatial_shapes=tables["spatial_shapes"])
             decoder_inputs = dict(memory_mask=outputs["memory_mask"], valid_ratios=outputs["valid_ratios"], **tables)
-            head_inputs = _decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples)
+            head_inputs = detr_decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples)
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
         return _GraphedLoss(backbone_and_encoder, _pixels_and_image_sizes, tail, splits_at_features=True)
     return None
@@ -266,7 +268,7 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
         return None
 
     def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask, features=None):
-        encoder_outputs, decoder_inputs = _encoder(detector, batch_inputs, image_sizes, features)
+        encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
         # mmdet 3.3.0's DINO.pre_decoder in training, with the denoising queries given.
         memory = encoder_outputs["memory"]
         num_layers = detector.decoder.num_layers
@@ -294,7 +296,7 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
         padded = _padded_denoising_count(generator, num_denoising)
         mask = _cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, batch_inputs.device)
         pad = (0, 0, 0, padded - num_denoising)
-        inputs = (batch_inputs, _image_sizes(batch_data_samples, batch_inputs.device),
+        inputs = (batch_inputs, image_sizes_tensor(batch_data_samples, batch_inputs.device),
                   torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), mask)
         return inputs, (num_denoising, padded, dn_meta)
 
@@ -320,11 +322,12 @@ def _in_modules(names: Tuple[str, ...]) -> Callable[[str], bool]:
     return lambda parameter: parameter.startswith(prefixes)
 
 
-def enable_cuda_graph_training(detector, max_graphs: int = 64, split_at_features: bool = False,
+def enable_cuda_graph_training(detector, policy: Optional[CapturePolicy] = None, split_at_features: bool = False,
                                gradient_slots=None) -> Optional[GraphedRegion]:
     """Give one Deformable-DETR-family or Mask2Former detector (an instance with mmdet 3.3.0's pieces) the
     graph-replayed training loss; returns its :class:`GraphedRegion`, or None when the detector is not one this path
-    knows.
+    knows. ``policy``: when an input shape is captured (:class:`~deform_plugin.cuda_graphs.CapturePolicy`; its
+    default captures a shape at its second call).
 
     ``split_at_features`` (the DETRs; Mask2Former keeps one region): the backbone and neck are a region of their own,
     ahead of the rest of the network's. Under DistributedDataParallel this lets the gradients of the transformer
@@ -350,7 +353,7 @@ def enable_cuda_graph_training(detector, max_graphs: int = 64, split_at_features
             return tuple(detector.extract_feat(batch_inputs)), None
 
         features_region = GraphedRegion(features, detector, name=f"{name} training {' and '.join(feature_modules)}",
-                                        max_graphs=max_graphs, parameter_filter=in_feature_modules,
+                                        policy=policy, parameter_filter=in_feature_modules,
                                         reports_signatures=False, gradient_slots=gradient_slots)
         # Set at the first call, before the region first runs: how many of its inputs are features.
         feature_count = []
@@ -360,10 +363,10 @@ def enable_cuda_graph_training(detector, max_graphs: int = 64, split_at_features
             return pieces.region(padded_shape, *inputs[count:], features=inputs[:count])
 
         region = GraphedRegion(after_features, detector, name=f"{name} training transformer and head",
-                               max_graphs=max_graphs, gradient_slots=gradient_slots,
+                               policy=policy, gradient_slots=gradient_slots,
                                parameter_filter=lambda parameter: not in_feature_modules(parameter))
     else:
-        region = GraphedRegion(pieces.region, detector, name=f"{name} training forward", max_graphs=max_graphs,
+        region = GraphedRegion(pieces.region, detector, name=f"{name} training forward", policy=policy,
                                gradient_slots=gradient_slots)
     stock_loss = type(detector).loss.__get__(detector)
 
@@ -387,10 +390,11 @@ def enable_cuda_graph_training(detector, max_graphs: int = 64, split_at_features
     return region
 
 
-def enable_cuda_graphs(model, split_at_features: bool = False, gradient_slots=None) -> int:
+def enable_cuda_graphs(model, split_at_features: bool = False, gradient_slots=None,
+                       policy: Optional[CapturePolicy] = None) -> int:
     """Turn the graph-replayed training loss on for every Deformable-DETR-family and Mask2Former detector in
-    ``model``; returns how many detectors changed (``split_at_features``, ``gradient_slots``: see
+    ``model``; returns how many detectors changed (``split_at_features``, ``gradient_slots``, ``policy``: see
     :func:`enable_cuda_graph_training`)."""
-    return sum(enable_cuda_graph_training(module, split_at_features=split_at_features,
+    return sum(enable_cuda_graph_training(module, policy=policy, split_at_features=split_at_features,
                                           gradient_slots=gradient_slots) is not None
                for module in model.modules())

@@ -12,6 +12,7 @@ from emulated_graphs import small_region as _small_region
 from gloo_ranks import run_gloo_ranks
 from torch import nn
 
+from deform_plugin.cuda_graphs import CapturePolicy
 from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedRegion
 
 
@@ -21,7 +22,7 @@ def test_graphed_region_replays_equal_eager_and_accumulate_gradients(at_first_ca
     net = _Net().double()
     eager_net = copy.deepcopy(net)
     region = EmulatedGraphRegion(_small_region(net), net, name="test region",
-                                 capture_new_shapes_at_first_call=at_first_call)
+                                 policy=CapturePolicy(capture_after=1 if at_first_call else 2))
     eager = _small_region(eager_net)
     generator = torch.Generator().manual_seed(1)
     calls = [(torch.randn(4, 6, generator=generator, dtype=torch.float64),
@@ -56,9 +57,9 @@ class _FailingFirstCaptureRegion(EmulatedGraphRegion):
         super().__init__(*args, **kwargs)
         self.eager_shapes = set()
 
-    def _eager(self, inputs):
+    def _eager(self, inputs, key=None):
         self.eager_shapes.add(tuple(inputs[0].shape))
-        return super()._eager(inputs)
+        return super()._eager(inputs, key)
 
     def capture(self, inputs):
         if tuple(inputs[0].shape) not in self.eager_shapes:
@@ -79,17 +80,17 @@ def test_a_new_shape_whose_first_capture_fails_warms_up_and_captures_at_its_next
 
 
 def test_each_capture_logs_its_input_shapes_and_host_time(monkeypatch):
-    from deform_plugin.integration.mmdet_fast_paths import graphed_region
+    from deform_plugin.cuda_graphs import cache
     lines = []
-    monkeypatch.setattr(graphed_region, "print_log", lambda message, logger=None: lines.append(message))
+    monkeypatch.setattr(cache, "print_log", lambda message, logger=None: lines.append(message))
     net = _Net().double()
     region = EmulatedGraphRegion(_small_region(net), net, name="test region")
     for rows in (2, 2, 3, 3):
         _step(region, torch.randn(rows, 6, dtype=torch.float64), torch.rand(rows, dtype=torch.float64), 0)
     assert len(lines) == 2, lines  # one line per capture, none per replay
     for line, shapes in zip(lines, ("[[2, 6], [2]]", "[[3, 6], [3]]")):
-        assert line.startswith(f"deform_plugin: test region captured inputs {shapes} in "), line
-        assert "(all captures so far: forward" in line and "instantiating graphs)" in line
+        assert line.startswith(f"deform_plugin: test region inputs {shapes} captured in "), line
+        assert "s capturing" in line and "MiB added" in line
 
 
 def test_a_new_kind_of_call_warms_up_eagerly_before_its_capture():
@@ -222,7 +223,8 @@ def test_a_capture_out_of_memory_is_retried_once_after_releasing_cached_memory(f
 
 def test_max_graphs_bounds_the_captured_signatures():
     net = _Net().double()
-    region = EmulatedGraphRegion(_small_region(net), net, name="test region", max_graphs=1)
+    region = EmulatedGraphRegion(_small_region(net), net, name="test region",
+                                 policy=CapturePolicy(capture_after=1, max_graphs=1))
     for rows in (2, 2, 3, 3, 3):
         _step(region, torch.randn(rows, 6, dtype=torch.float64), torch.rand(rows, dtype=torch.float64), 0)
     assert len(region.captured) == 1 and region.replays == 1

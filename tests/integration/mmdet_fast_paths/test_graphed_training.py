@@ -15,6 +15,7 @@ from small_detectors import DETECTOR_CONFIGS, small_detector
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
+from deform_plugin.cuda_graphs import CapturePolicy
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 
 def _training_batch(height=224, width=256, sizes=((224, 256), (200, 232)), seed=0, device="cpu",
@@ -76,7 +77,8 @@ def _check_replays_against_stock(name, dtype, split):
     # memory paths are captured and replayed too: Deformable-DETR's twelve FFNs (dropout 0.1) fuse their ReLU and
     # dropout, DINO's and Mask2Former's (dropout 0) recompute their hidden layers in the backward.
     changed = apply_fast_paths(fast, cuda_graphs=True, batched_matching=name == "mask2former",
-                               relu_dropout_fusion=True, ffn_recompute=True, split_graphs_at_features=split)
+                               relu_dropout_fusion=True, ffn_recompute=True, split_graphs_at_features=split,
+                               capture_policy=CapturePolicy(capture_after=1))
     assert changed["cuda_graphs"] == 1 and changed["sync_free_forward"] == 1  # the detector or the pixel decoder
     assert changed["relu_dropout_fusion"] == (12 if name == "deformable-detr-two-stage" else 0)
     assert (changed["ffn_recompute"] > 0) == (name != "deformable-detr-two-stage")
@@ -166,7 +168,8 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, slo
     # with gradient slots as FastPathsHook gives them to a model that DistributedDataParallel does not wrap.
     gradient_slots = ParameterGradientSlots(graphed.parameters()) if slots else None
     apply_fast_paths(graphed, cuda_graphs=True, batched_matching=name == "mask2former",
-                     split_graphs_at_features=split, gradient_slots=gradient_slots)
+                     split_graphs_at_features=split, gradient_slots=gradient_slots,
+                     capture_policy=CapturePolicy(capture_after=1))
     regions = graphed.graphed_training_regions
     assert len(regions) == (2 if split else 1)
     optimizer = torch.optim.SGD([p for p in eager.parameters() if p.requires_grad], lr=1e-3)

@@ -1,0 +1,157 @@
+"""Batch-1 inference as users run it: ``inference_detector`` on images of mixed real sizes, timed per image.
+
+Every row runs in a process of its own (``python inference_loop.py SPEC.json``; stock rows through
+:mod:`deform_plugin.benchmarks.stock_process`), so that each pays the same process-level start (CUDA context,
+library handles) in its first images: stock rows build mmdet and mmcv as installed and never import deform_plugin;
+ours import it. This file imports torch, numpy and mmdet at the top, and
+deform_plugin only inside :func:`build_row_model` for our rows. All rows get the same images (:func:`image_sizes`,
+:func:`make_images`), the same weights and the same loop (:func:`time_inference`).
+
+Size distributions (original image sizes; the config's test pipeline resizes them as it resizes any photo):
+
+- ``coco16``: the 16 commonest COCO val2017 sizes, cycling;
+- ``distinct``: every image a size of its own, sides drawn from 300-1333 px;
+- ``fixed``: 480 x 640 only (a speed-up that holds only when sizes repeat: labelled as such).
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+# The 16 commonest (height, width) of COCO val2017, most frequent first.
+COCO_COMMON_SIZES = ((480, 640), (427, 640), (640, 480), (425, 640), (424, 640), (640, 427), (426, 640), (428, 640),
+                     (612, 612), (375, 500), (640, 640), (500, 375), (512, 640), (333, 500), (360, 640), (640, 424))
+DISTRIBUTIONS = ("coco16", "distinct", "fixed")
+TOP_K = 5  # detections kept per image for the comparison between rows
+
+
+def image_sizes(distribution: str, count: int, seed: int = 0) -> List[Tuple[int, int]]:
+    """``count`` image sizes (height, width) of ``distribution`` (see the module)."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    if distribution == "coco16":
+        return [COCO_COMMON_SIZES[i % len(COCO_COMMON_SIZES)] for i in range(count)]
+    if distribution == "fixed":
+        return [COCO_COMMON_SIZES[0]] * count
+    if distribution == "distinct":
+        rng = random.Random(seed)
+        sizes: List[Tuple[int, int]] = []
+        while len(sizes) < count:
+            size = (rng.randint(300, 1333), rng.randint(300, 1333))
+            if size not in sizes:
+                sizes.append(size)
+        return sizes
+    raise ValueError(f"unknown size distribution {distribution!r}; choose from {', '.join(DISTRIBUTIONS)}")
+
+
+def make_images(sizes: Sequence[Tuple[int, int]], seed: int = 0) -> List[np.ndarray]:
+    """One BGR uint8 image per size: smooth colour fields with a few rectangles (cheap to make, JPEG-like
+    statistics do not matter to the timing)."""
+    rng = np.random.default_rng(seed)
+    images = []
+    for height, width in sizes:
+        base = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+        image = np.kron(base, np.ones((-(-height // 8), -(-width // 8), 1), dtype=np.uint8))[:height, :width]
+        for _ in range(4):
+            y, x = int(rng.integers(0, height // 2)), int(rng.integers(0, width // 2))
+            image[y:y + height // 4, x:x + width // 4] = rng.integers(0, 256, size=3, dtype=np.uint8)
+        images.append(np.ascontiguousarray(image))
+    return images
+
+
+def _top_detections(result) -> Dict[str, list]:
+    instances = result.pred_instances
+    order = torch.argsort(instances.scores, descending=True)[:TOP_K]
+    finite = bool(torch.isfinite(instances.scores).all()) and bool(torch.isfinite(instances.bboxes).all())
+    return dict(finite=finite, scores=instances.scores[order].float().cpu().tolist(),
+                bboxes=instances.bboxes[order].float().cpu().tolist(),
+                labels=instances.labels[order].cpu().tolist())
+
+
+def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str] = None) -> dict:
+    """Each image through ``mmdet.apis.inference_detector`` (the device synchronised after each): the seconds per
+    image, each image's top detections and the peak memory."""
+    from mmdet.apis import inference_detector
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    autocast = torch.autocast("cuda", dtype=getattr(torch, amp_dtype or "float16"), enabled=bool(amp_dtype) and cuda)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds, detections = [], []
+    with autocast:
+        for image in images:
+            started = time.perf_counter()
+            result = inference_detector(model, image)
+            if cuda:
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - started)
+            detections.append(_top_detections(result))  # after the clock: reading detections back is ours
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else None
+    return dict(seconds=seconds, detections=detections, peak_memory_mb=peak)
+
+
+def build_row_model(spec: dict):
+    """The row's detector (``palette='coco'``: mmdet's init_detector would otherwise build the config's dataset to
+    read its palette): stock mmdet (``row == 'stock'``: the config's deform_plugin import dropped, mmcv's own op),
+    or ours with the plugin alone (``'eager'``) or with ``enable_fast_inference`` (``'graph'``: its default
+    buckets; ``'graph-canvas'``: ``throughput_buckets``; ``'graph-exact'``: without buckets), with the policy and
+    bucket settings of ``spec``."""
+    row, device = spec["row"], spec["device"]
+    if row == "stock":
+        from deform_plugin.benchmarks.detector.stock_train import prepare_mmcv
+        served_by = prepare_mmcv()
+        print(f"inference_loop: stock mmdet, mmcv ops {served_by}", flush=True)
+        from mmdet.apis import init_detector
+        from mmengine.config import Config
+        cfg = Config.fromfile(spec["config"], import_custom_modules=False)
+        cfg.pop("custom_imports", None)
+        return init_detector(cfg, spec["weights"], device=device, palette="coco"), {}
+    from mmdet.apis import init_detector
+
+    import deform_plugin  # noqa: F401  (before mmdet: the mmcv-lite stand-in)
+    model = init_detector(spec["config"], spec["weights"], device=device, palette="coco")
+    if row == "eager":
+        return model, {}
+    if row not in ("graph", "graph-canvas", "graph-exact"):
+        raise ValueError(f"unknown row {row!r}; choose from stock, eager, graph, graph-canvas, graph-exact")
+    from deform_plugin.apis import CapturePolicy, InferenceBuckets, enable_fast_inference, throughput_buckets
+    policy = CapturePolicy(**spec.get("policy", {}))
+    buckets = None
+    if row != "graph-exact":
+        buckets = throughput_buckets(model) if row == "graph-canvas" else InferenceBuckets()
+        buckets = InferenceBuckets(**dict(vars(buckets), **spec.get("buckets", {})))
+    changed = enable_fast_inference(model, policy=policy, buckets=buckets)
+    return model, changed
+
+
+def child_main(argv: Sequence[str]) -> int:
+    """One row in this process: ``inference_loop.py SPEC.json``, SPEC naming the row, config, weights, images and
+    where the JSON result goes."""
+    with open(argv[0]) as handle:
+        spec = json.load(handle)
+    started = time.perf_counter()
+    model, changed = build_row_model(spec)
+    build_seconds = time.perf_counter() - started
+    sizes = image_sizes(spec["distribution"], spec["count"], spec["seed"])
+    result = time_inference(model, make_images(sizes, spec["seed"]), spec.get("amp_dtype"))
+    if spec["row"] == "stock":
+        from deform_plugin.benchmarks.stock_process import plugin_imported
+        if plugin_imported():
+            raise RuntimeError("the stock row imported deform_plugin: its numbers would not be stock mmdet/mmcv")
+    graph_inference = changed.get("graph_inference")
+    result.update(build_seconds=build_seconds, image_sizes=sizes,
+                  graphs=graph_inference.stats() if graph_inference is not None else None)
+    with open(spec["out"], "w") as handle:
+        json.dump(result, handle)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main(sys.argv[1:]))

@@ -1,0 +1,70 @@
+"""FastInferenceHook: validation and testing through graph inference, with the test pipeline's canvases."""
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
+from deform_plugin.engine import FastInferenceHook
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _runner(model, pipeline):
+    from mmengine.config import Config
+    cfg = Config(dict(test_dataloader=dict(dataset=dict(pipeline=pipeline))))
+    return types.SimpleNamespace(model=model, cfg=cfg)
+
+
+@pytest.fixture(scope="module")
+def demo_model():
+    from mmdet.registry import MODELS
+    from mmdet.utils import register_all_modules
+    from mmengine.config import Config
+    register_all_modules()
+    cfg = Config.fromfile(str(ROOT / "configs/demo/deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"))
+    torch.manual_seed(0)
+    return MODELS.build(cfg.model)
+
+
+def test_the_hook_gives_the_model_graph_inference_with_the_pipelines_canvases(demo_model):
+    pipeline = [dict(type="LoadImageFromFile"), dict(type="Resize", scale=(1333, 800), keep_ratio=True)]
+    hook = FastInferenceHook(size_divisor=64, max_graphs=3, canvases="auto")
+    demo_model.train()
+    hook.before_test(_runner(demo_model, pipeline))
+    graph_inference = hook.graph_inference
+    assert demo_model.predict == graph_inference.predict and demo_model.training  # training mode left as it was
+    assert graph_inference.buckets.canvases == ((832, 1344), (1344, 832))  # (800, 1333) in 64 px steps
+    assert graph_inference.policy.max_graphs == 3 and graph_inference.buckets.size_divisor == 64
+    hook.before_val(_runner(demo_model, pipeline))
+    assert hook.graph_inference is graph_inference  # enabled once
+
+
+def test_by_default_inputs_are_padded_to_32_px_buckets_without_canvases(demo_model):
+    hook = FastInferenceHook()
+    hook.before_val(_runner(demo_model, [dict(type="Resize", scale=(1333, 800), keep_ratio=True)]))
+    buckets = hook.graph_inference.buckets
+    assert (buckets.size_divisor, buckets.canvases, buckets.borrow_max_pixels) == (32, (), 1.15)
+
+
+def test_without_buckets_the_inputs_keep_their_shapes(demo_model):
+    hook = FastInferenceHook(buckets=False)
+    hook.before_val(_runner(demo_model, []))
+    assert hook.graph_inference.buckets is None
+
+
+def test_a_model_without_graph_inference_is_evaluated_as_it_is():
+    hook = FastInferenceHook()
+    model = torch.nn.Linear(2, 2)
+    hook.before_test(_runner(model, []))
+    assert hook.graph_inference is False and "predict" not in vars(model)
+
+
+def test_bad_settings_fail_when_the_hook_is_built():
+    with pytest.raises(ValueError, match="size_divisor must be an int >= 1, got 0"):
+        FastInferenceHook(size_divisor=0)
+    with pytest.raises(ValueError, match="capture_after must be an int >= 1, got 0"):
+        FastInferenceHook(capture_after=0)
+    with pytest.raises(ValueError, match="canvases must be None, 'auto' or"):
+        FastInferenceHook(canvases="largest")

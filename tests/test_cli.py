@@ -1,0 +1,49 @@
+"""The checks that tools/ make of what users pass (deform_plugin.cli): paths, and --cfg-options keys."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from mmengine.config import Config
+
+from deform_plugin.cli import path_problem, read_config, unknown_cfg_option_warnings
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
+
+
+def test_a_misspelt_top_level_key_names_the_closest_one():
+    cfg = Config.fromfile(str(DEMO_CONFIG), import_custom_modules=False)
+    keys = ["trian_cfg.max_iters", "train_cfg.max_iters", "model.bbox_head.num_classes", "randomness.seed",
+            "load_from", "work_dir", "zzzz"]
+    assert unknown_cfg_option_warnings(cfg, keys) == [
+        "--cfg-options trian_cfg.max_iters: the config has no key 'trian_cfg' (did you mean 'train_cfg'?); it is "
+        "added as a new key",
+        "--cfg-options zzzz: the config has no key 'zzzz'; it is added as a new key",
+    ]
+
+
+def test_path_problems_name_the_path(tmp_path):
+    (tmp_path / "file.py").write_text("x = 1\n")
+    assert path_problem("config", str(tmp_path / "file.py")) is None
+    assert path_problem("images", str(tmp_path), folder=True) is None
+    assert path_problem("config", "nowhere.py") == "config 'nowhere.py' does not exist"
+    assert path_problem("config", str(tmp_path)) == f"config {str(tmp_path)!r} is a folder, not a file"
+    assert path_problem("images", str(tmp_path / "file.py"), folder=True) == (
+        f"images {str(tmp_path / 'file.py')!r} is not a folder")
+    assert path_problem("checkpoint", "x.pth", hint=" (pass 'none')") == (
+        "checkpoint 'x.pth' does not exist (pass 'none')")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("x = (\n", "SyntaxError"),
+    ("_base_ = 'missing_base.py'\n", "missing_base.py"),
+], ids=["syntax-error", "missing-base"])
+def test_a_broken_config_is_one_line(tmp_path, capsys, text, message):
+    config = tmp_path / "broken.py"
+    config.write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        read_config(str(config))
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: config {str(config)!r} cannot be loaded: ") and message in err
