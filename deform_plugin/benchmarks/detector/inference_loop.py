@@ -113,9 +113,8 @@ def build_row_model(spec: dict):
         cfg = Config.fromfile(spec["config"], import_custom_modules=False)
         cfg.pop("custom_imports", None)
         return init_detector(cfg, spec["weights"], device=device, palette="coco"), {}
-    from mmdet.apis import init_detector
-
     import deform_plugin  # noqa: F401  (before mmdet: the mmcv-lite stand-in)
+    from mmdet.apis import init_detector
     model = init_detector(spec["config"], spec["weights"], device=device, palette="coco")
     if row == "eager":
         return model, {}
