@@ -11,8 +11,10 @@
 #   tests     mmcv's CUDA ops start building in the background (the stock baseline, into the system site); the GPU
 #             tests run meanwhile on mmcv-lite; then (after the tests, on a one-GPU host) the MSDA entry benchmark
 #             runs against the stock op. TEST_PATHS picks the test files, ENTRY_BENCH=0 skips the benchmark.
-#   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours, and the
-#             batch-1 inference rows of tools/benchmark.py. With two GPUs, two configs run at once, one per GPU.
+#   train     the training benchmark through mmengine's Runner (tools/benchmark_train.py), stock vs ours in the
+#             three regimes (with ShapeBucketsHook, without it, from an empty Triton cache; the other rows after
+#             `python -m deform_plugin warmup`, timed), then batch-1 inference on mixed real image sizes
+#             (tools/benchmark_infer.py). With two GPUs, two configs run at once, one per GPU.
 #   scale     two-GPU DDP against one GPU (SCALE_ITERS iterations, default 100; SCALE_CONFIGS picks the configs,
 #             default ddetr), the demo's loss curves (plain fp32 vs fast bf16; DEMO=0 skips them) and (unless
 #             PROFILE=0) a step profile.
@@ -162,8 +164,13 @@ train)
   # TRAIN_CONFIGS picks the configs (default all three) and INFERENCE=0 skips the batch-1 inference rows, so that
   # one GPU can run the phase in pieces of under 10 minutes; TRAIN_ITERS (default 100) lengthens the runs.
   wait_for_mmcv
-  rows="stock:fp32 ours:fp32 ours:bf16"
+  rows="stock:fp32 ours:bf16:cold ours:bf16 ours:bf16:no-buckets ours:fp32:no-buckets ours:fp32"
   run_train() {  # GPU NAME
+    for mode in --serial ""; do  # the warmup command's time into empty caches, then into the default one
+      TRITON_CACHE_DIR=/tmp/triton_cold_$2$mode on_gpu "$1" with_full python3 -m deform_plugin warmup \
+          "${config_of[$2]}" --amp-dtype bfloat16 $mode 2>&1 | tail -1
+    done
+    on_gpu "$1" with_full python3 -m deform_plugin warmup "${config_of[$2]}" --amp-dtype bfloat16 2>&1 | tail -1
     on_gpu "$1" with_full timeout $(left) python3 tools/benchmark_train.py "${config_of[$2]}" --rows $rows \
         --iters ${TRAIN_ITERS:-100} --batch-size 2 --workers 4 --out-dir "$results/train_$2" \
         > "$results/train_$2.log" 2>&1
@@ -180,10 +187,12 @@ train)
     for name in "${names[@]}"; do run_train 0 "$name"; done
   fi
   if [ "${INFERENCE:-1}" = 1 ]; then
-    on_gpu $second_gpu with_full timeout $(left) python3 tools/benchmark.py "${config_of[ddetr]}" \
-        "${config_of[dino]}" "${config_of[mask2former]}" \
-        --rows stock:fp32 triton:fp32:all triton:bf16:all --steps 0 --inference-warmup 5 --inference-steps 20 \
-        --no-progress --out-dir "$results" --name inference > "$results/inference.log" 2>&1
+    on_gpu 0 with_full timeout $(left) python3 tools/benchmark_infer.py \
+        configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py \
+        configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py \
+        configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py --sizes coco16 distinct fixed \
+        --rows stock:fp32 eager:fp32 graph:fp32 graph-canvas:fp32 graph:bf16 graph-canvas:bf16 --images 64 \
+        --out-dir "$results/inference" > "$results/inference.log" 2>&1
     tail -30 "$results/inference.log"
   fi
   ;;
