@@ -35,13 +35,17 @@ class FastPathsHook(Hook):
         max_graph_memory_mb (float, optional): with ``cuda_graphs``, the device memory the captures may add, MiB.
         precompile_triton (bool): compile the model's Triton MSDA kernels in background processes while the run
             starts (default True; see :mod:`deform_plugin.ops.msda.precompile`).
+        cudnn_v7_api (bool): choose convolution algorithms through cuDNN's v7 API, whose choice for a new input
+            shape costs less host time (:mod:`deform_plugin.conv_planning`; default False). Takes effect when the
+            run's first convolution comes after this hook's ``before_run``, as under ``tools/train.py``.
         **switches: the fast paths (fields of ``FastPaths``).
     """
 
     priority = "VERY_HIGH"
 
     def __init__(self, graph_capture_after: Optional[int] = None, max_graphs: int = 64,
-                 max_graph_memory_mb: Optional[float] = None, precompile_triton: bool = True, **switches):
+                 max_graph_memory_mb: Optional[float] = None, precompile_triton: bool = True,
+                 cudnn_v7_api: bool = False, **switches):
         from deform_plugin.cuda_graphs import CapturePolicy
         from deform_plugin.integration.mmdet_fast_paths import FastPaths
 
@@ -53,6 +57,7 @@ class FastPathsHook(Hook):
         self.max_graphs = max_graphs
         self.max_graph_memory_mb = max_graph_memory_mb
         self.precompile_triton = bool(precompile_triton)
+        self.cudnn_v7_api = bool(cudnn_v7_api)
 
     def _gradient_slots(self, model):
         """Where the graphed regions write the gradients: the wrapper's slots under
@@ -82,6 +87,11 @@ class FastPathsHook(Hook):
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         from deform_plugin.ops.msda import prepare_triton_in_background
+        if self.cudnn_v7_api:
+            from deform_plugin.conv_planning import prefer_cudnn_v7_api
+            if not prefer_cudnn_v7_api():
+                print_log("deform_plugin: cudnn_v7_api is on, but TORCH_CUDNN_V8_API_DISABLED is set to keep the v8 "
+                          "API; the environment wins", logger="current")
         if self.precompile_triton:
             from .triton_precompile import precompile_model_kernels
             precompile_model_kernels(runner.model, getattr(runner, "optim_wrapper", None))

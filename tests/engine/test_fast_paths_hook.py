@@ -1,4 +1,5 @@
 """The fast paths are off unless a config selects them, and the fast configs select them."""
+import os
 import types
 
 import pytest
@@ -150,3 +151,12 @@ def test_the_kernels_to_precompile_are_the_models_msda_shapes_in_each_dtype_of_t
         ("bfloat16", 2), ("bfloat16", 4), ("float32", 2), ("float32", 4)]
     # mmengine's AmpOptimWrapper keeps its autocast dtype as cast_dtype (it refuses to build without a GPU).
     assert run_dtypes(types.SimpleNamespace(cast_dtype=torch.bfloat16)) == dtypes
+
+
+def test_cudnn_v7_api_is_selected_before_the_run_only_when_asked(monkeypatch):
+    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
+    monkeypatch.delenv(CUDNN_V8_API_DISABLED, raising=False)
+    FastPathsHook(precompile_triton=False).before_run(_FakeRunner(nn.Linear(2, 2)))
+    assert CUDNN_V8_API_DISABLED not in os.environ
+    FastPathsHook(precompile_triton=False, cudnn_v7_api=True).before_run(_FakeRunner(nn.Linear(2, 2)))
+    assert os.environ[CUDNN_V8_API_DISABLED] == "1"
