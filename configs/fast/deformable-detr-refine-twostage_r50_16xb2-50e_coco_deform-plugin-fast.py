@@ -16,7 +16,9 @@
 #     of paying that cost for a shape that may be rare.
 # Apart from that padding, losses and gradients match the plain config to float rounding (docs/whole_detector.md
 # explains why).
-# Optimizer state dicts differ in layout from stock runs: resume a run with the constructor it was started with.
+# The merged param groups lay out the optimizer state differently from stock runs; tools/train.py --resume still takes
+# a checkpoint of the plain config (or of stock mmdet) here and the other way round, carrying the optimizer and LR
+# scheduler state over by parameter name (OptimizerStateByNameHook, docs/whole_detector.md).
 _base_ = '../deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py'
 
 custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], allow_failed_imports=False)
