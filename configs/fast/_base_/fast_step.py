@@ -6,6 +6,9 @@ fast_custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], al
 # Merged param groups (the stock per-parameter lr and weight decay, in a few groups) on the fused or foreach AdamW
 # kernels; losses and the gradient norm reach the logger once per logging interval, in one device-to-host copy
 # (with --amp-dtype bfloat16, tools/train.py also drops the loss scaler).
+# The merged groups lay out the optimizer state differently from stock runs; tools/train.py --resume still takes a
+# checkpoint of the plain config (or of stock mmdet) under a fast config and the other way round, carrying optimizer
+# and LR-scheduler state over by parameter name (OptimizerStateByNameHook, docs/whole_detector.md).
 fast_optim_wrapper = dict(type='SyncFreeOptimWrapper', constructor='MergedParamGroupsOptimWrapperConstructor')
 fast_default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
 # Batches reach the GPU without a blocking copy: pinned by the data loader, copied asynchronously by the data
