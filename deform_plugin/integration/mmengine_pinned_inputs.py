@@ -13,7 +13,6 @@ copy), so a caller that does not synchronise between images never has its image 
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import List, Optional
 
 import torch
@@ -53,16 +52,13 @@ class PinnedInputStaging:
         return on_device
 
     def __call__(self, data):
+        # mmengine's cast_data recurses through mappings and sequences by calling ``self.cast_data`` (this object)
+        # on each part, so the images list is met here whether the whole data dict or the list alone is passed.
         device = torch.device(self.preprocessor.device)
-        if device.type != "cuda" or not isinstance(data, Mapping):
-            return self.mmengine_cast_data(data)
-        inputs = data.get("inputs")
-        if not (isinstance(inputs, (list, tuple)) and inputs
-                and all(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.is_contiguous() for x in inputs)):
-            return self.mmengine_cast_data(data)
-        staged = [self._stage(index, image, device) for index, image in enumerate(inputs)]
-        rest = self.mmengine_cast_data({key: value for key, value in data.items() if key != "inputs"})
-        return {key: (staged if key == "inputs" else rest[key]) for key in data}
+        if (device.type == "cuda" and isinstance(data, (list, tuple)) and data
+                and all(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.is_contiguous() for x in data)):
+            return type(data)(self._stage(index, image, device) for index, image in enumerate(data))
+        return self.mmengine_cast_data(data)
 
 
 def stage_inputs_through_pinned_memory(preprocessor) -> PinnedInputStaging:

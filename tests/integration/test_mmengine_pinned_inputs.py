@@ -46,3 +46,13 @@ def test_staged_images_give_the_preprocessors_own_result_and_the_buffer_is_reuse
             s.batch_input_shape for s in expected["data_samples"]]
     assert staging.staged_images == 4 and len(staging.buffers) == 2
     assert all(buffer.is_pinned() for buffer in staging.buffers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging runs on CUDA only")
+def test_a_list_of_images_passed_alone_is_staged_too():
+    # The sync-free forward's channel flip hands the preprocessor's cast_data the images list by itself.
+    preprocessor = _preprocessor("cuda")
+    staging = stage_inputs_through_pinned_memory(preprocessor)
+    images = _data([(33, 47)])["inputs"]
+    on_device = preprocessor.cast_data(images)
+    assert staging.staged_images == 1 and torch.equal(on_device[0].cpu(), images[0])
