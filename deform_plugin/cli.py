@@ -191,5 +191,17 @@ def apply_resume(cfg: Config, resume: Optional[str]) -> None:
         cfg.load_from = resume
 
 
+def enable_resume_by_parameter_name(cfg: Config) -> None:
+    """Add ``OptimizerStateByNameHook`` (unless the config lists it): checkpoints then record which parameter each
+    optimizer state belongs to, and resume under any param-group layout, plain or ``configs/fast/``, stock ones
+    included."""
+    hooks = list(cfg.get("custom_hooks", None) or [])
+    listed = {hook["type"] if isinstance(hook["type"], str) else hook["type"].__name__ for hook in hooks
+              if isinstance(hook, dict) and "type" in hook}
+    if "OptimizerStateByNameHook" not in listed:
+        hooks.append(dict(type="OptimizerStateByNameHook"))
+    cfg.custom_hooks = hooks
+
+
 def build_runner(cfg: Config) -> Runner:
     return Runner.from_cfg(cfg) if "runner_type" not in cfg else RUNNERS.build(cfg)

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from mmengine.config import Config
 
-from deform_plugin.cli import path_problem, read_config, unknown_cfg_option_warnings
+from deform_plugin.cli import enable_resume_by_parameter_name, path_problem, read_config, unknown_cfg_option_warnings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
@@ -47,3 +47,13 @@ def test_a_broken_config_is_one_line(tmp_path, capsys, text, message):
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
     assert err.startswith(f"error: config {str(config)!r} cannot be loaded: ") and message in err
+
+
+def test_every_training_run_gets_the_optimizer_state_by_name_hook_once():
+    cfg = Config(dict(custom_hooks=[dict(type="FastPathsHook", sdpa_attention=True)]))
+    enable_resume_by_parameter_name(cfg)
+    enable_resume_by_parameter_name(cfg)
+    assert [hook["type"] for hook in cfg.custom_hooks] == ["FastPathsHook", "OptimizerStateByNameHook"]
+    bare = Config(dict())
+    enable_resume_by_parameter_name(bare)
+    assert bare.custom_hooks == [dict(type="OptimizerStateByNameHook")]

@@ -31,10 +31,14 @@
 #   sizes     training steps at new and at seen random-resize sizes (tools/benchmark.py --variable-sizes).
 #   memory    the FFN memory switches (relu_dropout_fusion, ffn_recompute) against the same fast step without them:
 #             peak memory and step time of Deformable-DETR and DINO at 800x1333 (tools/benchmark.py), stock beside.
+#   parity    AP parity over seeds (tools/ap_parity.py): stock fp32 against the fast configs in fp32 and bf16 (and bf16
+#             without ShapeBucketsHook), Deformable-DETR and DINO, 3 seeds, every run at once over the host's GPUs,
+#             ending before the phase's deadline; the report (md, json, csv, one PNG per config) goes straight to
+#             OUT. PARITY_ROWS, PARITY_ITERS (default auto: as many as fit) and PARITY_ARGS adjust it.
 # Every phase but wheelhouse needs .whl, made by the wheelhouse phase and copied to the host with the tree. Results
 # go to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash tools/gpu_session.sh wheelhouse|tests|train|ops|scale|borrow|profile|build|sizes|memory [OUT]}
+phase=${1:?usage: bash tools/gpu_session.sh wheelhouse|tests|train|ops|scale|borrow|profile|build|sizes|memory|parity [OUT]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 
@@ -294,6 +298,14 @@ memory)
       --rows stock:fp32 triton:bf16:$exact triton:bf16:$exact+ffn --warmup 5 --steps 20 --inference-steps 0 \
       --no-progress --out-dir "$results" --name memory > "$results/memory.log" 2>&1
   tail -24 "$results/memory.log"
+  ;;
+parity)
+  wait_for_mmcv
+  # Runs, logs and checkpoints in the results folder (checkpoints are deleted before packing); the report in OUT.
+  with_full timeout $(left) python3 tools/ap_parity.py --configs ddetr dino \
+      --rows ${PARITY_ROWS:-stock:fp32 ours:fp32 ours:bf16 ours:bf16:no-buckets} --seeds 0 1 2 \
+      --iters ${PARITY_ITERS:-auto} --deadline $(( $(left) - 15 )) --work-dir "$results/work" --out-dir "$out" \
+      ${PARITY_ARGS:-} 2>&1 | tee "$results/ap_parity.log"
   ;;
 *)
   echo "unknown phase $phase" >&2; exit 2;;

@@ -9,34 +9,11 @@ the PNG.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
 import os
 import sys
 from typing import Dict, List, Tuple
 
-
-def read_losses(work_dir: str, key: str = "loss") -> List[Tuple[int, float]]:
-    candidates = sorted(glob.glob(os.path.join(work_dir, "*", "vis_data", "scalars.json")), key=os.path.getmtime)
-    if not candidates:
-        raise FileNotFoundError(f"no */vis_data/scalars.json under {work_dir!r}: is it a tools/train.py work dir?")
-    points = []
-    with open(candidates[-1]) as handle:
-        for line in handle:
-            record = json.loads(line)
-            if key in record and "iter" in record and "coco/bbox_mAP" not in record:
-                points.append((int(record["iter"]), float(record[key])))
-    if not points:
-        raise ValueError(f"{candidates[-1]} has no {key!r} entries")
-    return points
-
-
-def smooth(values: List[float], window: int = 5) -> List[float]:
-    out = []
-    for index in range(len(values)):
-        chunk = values[max(0, index - window + 1):index + 1]
-        out.append(sum(chunk) / len(chunk))
-    return out
+from deform_plugin.benchmarks.detector.loss_curves import read_losses, smooth
 
 
 def main(argv=None) -> int:

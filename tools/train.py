@@ -7,7 +7,9 @@
 Differences from mmdet's script: ``deform_plugin`` is imported first (so mmdet imports with mmcv-lite and configs
 may name our modules without ``custom_imports``), checkpoints load under torch >= 2.6, and ``--amp-dtype`` picks
 bfloat16 as well as mmdet's float16; mixed precision runs through ``SyncFreeAmpOptimWrapper`` (bf16 without a loss
-scaler, which it does not need; fp16 with mmdet's dynamic loss scaling).
+scaler, which it does not need; fp16 with mmdet's dynamic loss scaling). Every run gets ``OptimizerStateByNameHook``,
+so ``--resume`` takes a checkpoint of a plain config under a ``configs/fast/`` one and the other way round (stock
+mmdet checkpoints included), optimizer and LR-scheduler state carried over by parameter name.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ from mmdet.utils import setup_cache_size_limit_of_dynamo
 from mmengine.config import Config
 from mmengine.runner import Runner
 
-from deform_plugin.cli import (AMP_DTYPES, apply_resume, build_runner, enable_amp, enable_auto_scale_lr, load_config,
-                               parse_with_common_arguments)
+from deform_plugin.cli import (AMP_DTYPES, apply_resume, build_runner, enable_amp, enable_auto_scale_lr,
+                               enable_resume_by_parameter_name, load_config, parse_with_common_arguments)
 from deform_plugin.cpu_threads import configure_cpu_threads
 
 
@@ -52,6 +54,7 @@ def build_train_config(args: argparse.Namespace) -> Config:
     if args.auto_scale_lr:
         enable_auto_scale_lr(cfg)
     apply_resume(cfg, args.resume)
+    enable_resume_by_parameter_name(cfg)
     return cfg
 
 

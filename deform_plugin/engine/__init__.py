@@ -11,6 +11,9 @@
   selection every step.
 - ``FlatGradientsDataParallel`` (``model_wrapper_cfg``): data parallelism that all-reduces one flat gradient buffer
   per step, into which graphed training steps write their gradients.
+- ``OptimizerStateByNameHook`` (``custom_hooks``, :mod:`.optimizer_state_by_name_hook`; ``tools/train.py`` adds it):
+  checkpoints record the parameter name of each optimizer state and resume under any param-group layout, so runs
+  move between plain and fast configs (:mod:`.optimizer_state_layout` moves the state dicts).
 - ``SyncFreeOptimWrapper`` / ``SyncFreeAmpOptimWrapper`` (``optim_wrapper.type``) and ``DeferredRuntimeInfoHook``
   (``default_hooks.runtime_info``, :mod:`.deferred_runtime_info_hook`): no per-iteration host syncs for logging,
   no loss scaling for bf16.
@@ -19,8 +22,9 @@ from .data_parallel import FlatGradientsDataParallel, ParameterGradientSlots
 from .deferred_runtime_info_hook import DeferredRuntimeInfoHook
 from .fast_inference_hook import FastInferenceHook
 from .fast_paths_hook import FastPathsHook, fast_path_switches_from_config
-from .optim_constructor import (MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels,
-                                merge_param_groups)
+from .optim_constructor import MergedParamGroupsOptimWrapperConstructor, choose_optimizer_kernels, merge_param_groups
+from .optimizer_state_by_name_hook import OptimizerStateByNameHook
+from .optimizer_state_layout import OptimizerLayoutMismatch, translate_optimizer_state, translate_scheduler_state
 from .shape_buckets_hook import ShapeBucketsHook, training_size_divisor_from_config
 from .sync_free import DEFERRED_SCALARS, SyncFreeAmpOptimWrapper, SyncFreeOptimWrapper
 
@@ -31,6 +35,8 @@ __all__ = [
     "FastPathsHook",
     "FlatGradientsDataParallel",
     "MergedParamGroupsOptimWrapperConstructor",
+    "OptimizerLayoutMismatch",
+    "OptimizerStateByNameHook",
     "ParameterGradientSlots",
     "ShapeBucketsHook",
     "SyncFreeAmpOptimWrapper",
@@ -39,4 +45,6 @@ __all__ = [
     "fast_path_switches_from_config",
     "merge_param_groups",
     "training_size_divisor_from_config",
+    "translate_optimizer_state",
+    "translate_scheduler_state",
 ]

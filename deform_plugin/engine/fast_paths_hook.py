@@ -35,13 +35,20 @@ class FastPathsHook(Hook):
         max_graph_memory_mb (float, optional): with ``cuda_graphs``, the device memory the captures may add, MiB.
         precompile_triton (bool): compile the model's Triton MSDA kernels in background processes while the run
             starts (default True; see :mod:`deform_plugin.ops.msda.precompile`).
+        cudnn_v7_api (bool, optional): choose convolution algorithms through cuDNN's v7 API, whose choice for a
+            new input shape costs less host time, though its choices run slower once made
+            (:mod:`deform_plugin.conv_planning` gives both figures). None (the default): on for a model on CUDA
+            in a run that does not pad its batches with :class:`ShapeBucketsHook` (nearly every batch is a new
+            shape), off where it does (shapes recur). Takes effect when the process's first convolution comes after this hook's
+            ``before_run``, as under ``tools/train.py``; ``TORCH_CUDNN_V8_API_DISABLED`` set by the user wins.
         **switches: the fast paths (fields of ``FastPaths``).
     """
 
     priority = "VERY_HIGH"
 
     def __init__(self, graph_capture_after: Optional[int] = None, max_graphs: int = 64,
-                 max_graph_memory_mb: Optional[float] = None, precompile_triton: bool = True, **switches):
+                 max_graph_memory_mb: Optional[float] = None, precompile_triton: bool = True,
+                 cudnn_v7_api: Optional[bool] = None, **switches):
         from deform_plugin.cuda_graphs import CapturePolicy
         from deform_plugin.integration.mmdet_fast_paths import FastPaths
 
@@ -53,6 +60,7 @@ class FastPathsHook(Hook):
         self.max_graphs = max_graphs
         self.max_graph_memory_mb = max_graph_memory_mb
         self.precompile_triton = bool(precompile_triton)
+        self.cudnn_v7_api = None if cudnn_v7_api is None else bool(cudnn_v7_api)
 
     def _gradient_slots(self, model):
         """Where the graphed regions write the gradients: the wrapper's slots under
@@ -69,19 +77,31 @@ class FastPathsHook(Hook):
             return None  # no graphs off CUDA: the regions run eagerly
         return ParameterGradientSlots(model.parameters())
 
+    @staticmethod
+    def _padded_to_buckets(runner) -> bool:
+        return any(isinstance(hook, ShapeBucketsHook) for hook in getattr(runner, "hooks", ()))
+
     def capture_policy(self, runner):
         """The graphs' capture policy for this run (see ``graph_capture_after``)."""
         from deform_plugin.cuda_graphs import CapturePolicy
         capture_after = self.graph_capture_after
         if capture_after is None:
-            padded_to_buckets = any(isinstance(hook, ShapeBucketsHook) for hook in getattr(runner, "hooks", ()))
-            capture_after = 1 if padded_to_buckets else 2
+            capture_after = 1 if self._padded_to_buckets(runner) else 2
         return CapturePolicy(capture_after=capture_after, max_graphs=self.max_graphs,
                              max_graph_memory_mb=self.max_graph_memory_mb)
 
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         from deform_plugin.ops.msda import prepare_triton_in_background
+        cudnn_v7_api = self.cudnn_v7_api
+        if cudnn_v7_api is None:  # cuDNN matters only to a model on CUDA
+            on_cuda = any(parameter.is_cuda for parameter in runner.model.parameters())
+            cudnn_v7_api = on_cuda and not self._padded_to_buckets(runner)
+        if cudnn_v7_api:
+            from deform_plugin.conv_planning import prefer_cudnn_v7_api
+            if not prefer_cudnn_v7_api():
+                print_log("deform_plugin: cudnn_v7_api is on, but TORCH_CUDNN_V8_API_DISABLED is set to keep the v8 "
+                          "API; the environment wins", logger="current")
         if self.precompile_triton:
             from .triton_precompile import precompile_model_kernels
             precompile_model_kernels(runner.model, getattr(runner, "optim_wrapper", None))

@@ -81,9 +81,10 @@ class MergedParamGroupsOptimWrapperConstructor(DefaultOptimWrapperConstructor):
     ``foreach=True``. Build the wrapper after moving the model to its device (mmengine's Runner does).
 
     Note:
-        Optimizer state dicts index parameters by position in the groups, so a checkpoint saved with this
-        constructor resumes only with this constructor (and a stock one only with the stock constructor); model
-        weights are unaffected.
+        Optimizer state dicts index parameters by position in the groups, so on its own a checkpoint saved with this
+        constructor resumes only with this constructor (and a stock one only with the stock constructor).
+        :class:`~deform_plugin.engine.OptimizerStateByNameHook` (added by ``tools/train.py``) resumes either under
+        the other, by parameter name.
 
     Args:
         optim_wrapper_cfg (dict): as for ``DefaultOptimWrapperConstructor``.

@@ -1,4 +1,5 @@
 """The fast paths are off unless a config selects them, and the fast configs select them."""
+import os
 import types
 
 import pytest
@@ -150,3 +151,29 @@ def test_the_kernels_to_precompile_are_the_models_msda_shapes_in_each_dtype_of_t
         ("bfloat16", 2), ("bfloat16", 4), ("float32", 2), ("float32", 4)]
     # mmengine's AmpOptimWrapper keeps its autocast dtype as cast_dtype (it refuses to build without a GPU).
     assert run_dtypes(types.SimpleNamespace(cast_dtype=torch.bfloat16)) == dtypes
+
+
+def test_cudnn_v7_api_is_selected_before_the_run_only_when_asked(monkeypatch):
+    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
+    monkeypatch.setenv(CUDNN_V8_API_DISABLED, "")  # recorded, so that the test leaves the variable as it found it
+    monkeypatch.delenv(CUDNN_V8_API_DISABLED)
+    # The default on a CPU model: cuDNN is not involved, nothing is set.
+    FastPathsHook(precompile_triton=False).before_run(_FakeRunner(nn.Linear(2, 2)))
+    assert CUDNN_V8_API_DISABLED not in os.environ
+    FastPathsHook(precompile_triton=False, cudnn_v7_api=False).before_run(_FakeRunner(nn.Linear(2, 2)))
+    assert CUDNN_V8_API_DISABLED not in os.environ
+    FastPathsHook(precompile_triton=False, cudnn_v7_api=True).before_run(_FakeRunner(nn.Linear(2, 2)))
+    assert os.environ[CUDNN_V8_API_DISABLED] == "1"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the default decision reads where the model lives: CUDA")
+@pytest.mark.parametrize("hooks, v7", [([], True), (["buckets"], False)], ids=["no-buckets", "buckets"])
+def test_cudnn_v7_api_by_default_exactly_where_batches_are_not_padded_to_buckets(monkeypatch, hooks, v7):
+    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
+    from deform_plugin.engine import ShapeBucketsHook
+    monkeypatch.setenv(CUDNN_V8_API_DISABLED, "")
+    monkeypatch.delenv(CUDNN_V8_API_DISABLED)
+    runner = _RunnerWithHooks([ShapeBucketsHook() if hook == "buckets" else hook for hook in hooks])
+    runner.model = nn.Linear(2, 2).cuda()
+    FastPathsHook(precompile_triton=False).before_run(runner)
+    assert (os.environ.get(CUDNN_V8_API_DISABLED) == "1") is v7

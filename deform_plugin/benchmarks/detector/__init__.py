@@ -9,6 +9,11 @@ The user's training path (``tools/benchmark_train.py``): rows through the traini
 (:mod:`.iteration_timer`), mmdet's own training script for stock rows (:mod:`.stock_train`) and the report
 (:mod:`.train_report`).
 
+AP parity over seeds (``tools/ap_parity.py``): the command line (:mod:`.ap_parity`), each run's derived config and
+the data (:mod:`.ap_parity_config`), the runs, their pace and schedule (:mod:`.ap_parity_study`), the initial weights
+built by stock mmdet (:mod:`.initial_weights`), the runs' hook (time limit, pacing, schedule, progress, evaluations:
+:mod:`.parity_hook`), the logged curves (:mod:`.loss_curves`) and the report (:mod:`.ap_parity_report`).
+
 No module here imports the rest of deform_plugin at module level: stock rows run these modules in a process that
 never does (:mod:`deform_plugin.benchmarks.stock_process`).
 """

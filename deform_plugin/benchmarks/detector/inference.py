@@ -68,6 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", default="bench_results/inference", help="JSON, CSV and PNG go here "
                         "(default: bench_results/inference)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per row (default: 900)")
+    parser.add_argument("--phases", type=int, default=0, metavar="N",
+                        help="after each row's timed loop, time its phases (pipeline, preprocess, forward, "
+                             "postprocess) over its last N images, the device synchronised between phases "
+                             "(default: 0, off)")
     parser.add_argument("--cold-triton-cache", dest="warm_triton_cache", action="store_false",
                         help="do not compile the Triton kernels before the rows: the first row of each dtype then "
                              "compiles them in its first image (default: compiled first, as a second run finds them)")
@@ -184,6 +188,14 @@ def report(records: List[dict], info: dict, out_dir: Path) -> str:
                      _fmt(r.get("max_score_diff"), ".2e"), _fmt(r.get("top1_vs_stock"), ".2f"),
                      r["nonfinite_images"]])
     text = machine_line(info) + "\n\n" + markdown_table(header, rows)
+    phased = [r for r in records if r.get("phases_ms")]
+    if phased:
+        from deform_plugin.benchmarks.detector.inference_phases import PHASES
+        text += ("\n\nms per image by phase (the device synchronised between phases; the last images of each "
+                 "row):\n\n" + markdown_table(["config", "sizes", "row", *PHASES, "total"],
+                                               [[r["config"], r["sizes"], r["row"]]
+                                                + [_fmt(r["phases_ms"][p], ".2f") for p in (*PHASES, "total")]
+                                                for r in phased]))
     (out_dir / "inference.md").write_text(text + "\n")
     write_csv(out_dir / "inference.csv", [{k: v for k, v in r.items() if k not in ("seconds", "detections")}
                                           for r in records])
@@ -251,6 +263,7 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
                     spec = dict(name=f"{name}-{sizes}-{kind}-{mode}", row=kind, config=config, weights=str(weights),
                                 distribution=sizes, count=args.images, seed=args.seed, device=args.device,
                                 amp_dtype=MODES[mode], out=str(scratch / f"{name}-{sizes}-{kind}-{mode}.json"),
+                                phase_images=min(args.phases, args.images),
                                 **(overrides if kind.startswith("graph") else {}))
                     result = run_row(spec, scratch, args.timeout)
                     record = dict(config=name, sizes=sizes, row=label, **result)

@@ -88,14 +88,20 @@ def poison_uninitialized_memory() -> None:
     torch.utils.deterministic.fill_uninitialized_memory = True
 
 
-def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str] = None, top_k: int = TOP_K) -> dict:
+def _autocast(model, amp_dtype: Optional[str]):
+    cuda = next(model.parameters()).device.type == "cuda"
+    return torch.autocast("cuda", dtype=getattr(torch, amp_dtype or "float16"), enabled=bool(amp_dtype) and cuda)
+
+
+def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str] = None,
+                   top_k: int = TOP_K) -> dict:
     """Each image through ``mmdet.apis.inference_detector`` (the device synchronised after each): the seconds per
     image, each image's ``top_k`` detections (and its count of non-finite scores and box coordinates) and the peak
     memory."""
     from mmdet.apis import inference_detector
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    autocast = torch.autocast("cuda", dtype=getattr(torch, amp_dtype or "float16"), enabled=bool(amp_dtype) and cuda)
+    autocast = _autocast(model, amp_dtype)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -157,7 +163,13 @@ def child_main(argv: Sequence[str]) -> int:
     model, changed = build_row_model(spec)
     build_seconds = time.perf_counter() - started
     sizes = image_sizes(spec["distribution"], spec["count"], spec["seed"])
-    result = time_inference(model, make_images(sizes, spec["seed"]), spec.get("amp_dtype"), spec.get("top_k", TOP_K))
+    images = make_images(sizes, spec["seed"])
+    result = time_inference(model, images, spec.get("amp_dtype"), spec.get("top_k", TOP_K))
+    if spec.get("phase_images"):
+        # After the timed loop, on images whose sizes it has seen: the steady state's phases.
+        from deform_plugin.benchmarks.detector.inference_phases import time_phases
+        with _autocast(model, spec.get("amp_dtype")):
+            result["phases_ms"] = time_phases(model, images[-spec["phase_images"]:])
     if spec["row"] == "stock":
         from deform_plugin.benchmarks.stock_process import plugin_imported
         if plugin_imported():

@@ -176,6 +176,10 @@ def plugin_references(node, path: str = "") -> List[str]:
     return found
 
 
+# The keys whose deform_plugin pieces the stock overlay replaces piece by piece (the rest of each is kept).
+RUNNER_KEYS_HANDLED = ("custom_imports", "custom_hooks", "optim_wrapper", "default_hooks", "model", "model_wrapper_cfg")
+
+
 def timer_hook(row: Row, settings: Settings, timing_file: Path) -> dict:
     return dict(type=TIMER_HOOK, windows=[list(w) for w in settings.windows().values()],
                 warmup_iters=settings.windows()["first"][1], out_file=str(timing_file),
@@ -242,6 +246,11 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
         if runtime_info.get("type") in PLUGIN_TYPE_BASES:
             overlay["default_hooks"]["runtime_info"] = dict(
                 _delete_=True, **dict(runtime_info, type=PLUGIN_TYPE_BASES[runtime_info["type"]]))
+        # Values a config keeps under names of its own for its keys to refer to (configs/fast/_base_/): unread by
+        # mmengine, but a stock run's config names deform_plugin nowhere.
+        for key, value in base.items():
+            if key not in overlay and key not in RUNNER_KEYS_HANDLED and plugin_references(value):
+                overlay[key] = None
     imports, hooks = imports + [TIMER_MODULE], hooks + [timer_hook(row, settings, timing_file)]
     if settings.profile_first is not None:
         if profile_dir is None:
