@@ -11,9 +11,11 @@ Cases (``KIND:DTYPE``):
 Each case prints one line per check (``check CASE | NAME | error | limit | ok``) and a summary line; the exit
 status is 0 when every check passed, 1 otherwise. ``--poison`` fills every ``torch.empty``, ``torch.empty_like``
 and ``Tensor.new_empty`` made from Python with NaN (FLA's trick, on the GPU too): an element a kernel never writes
-then shows as NaN. Leave it off under compute-sanitizer's initcheck, which must see the memory uninitialised.
-``--json PATH`` writes the checks. On a machine without CUDA, ``--device cpu`` with ``TRITON_INTERPRET=1`` runs the
-kernel cases in Triton's interpreter (the detector cases need CUDA graphs).
+then shows as NaN (allocations made while a CUDA graph is captured are left as they are: see
+:func:`poisoned_allocations`). Leave it off under compute-sanitizer's initcheck, which must see the memory
+uninitialised. ``--json PATH`` writes the checks. On a machine without CUDA, ``--device cpu`` with
+``TRITON_INTERPRET=1`` runs the kernel cases in Triton's interpreter, and the detector cases run eagerly (no graph
+is captured on a CPU: they check their references and bookkeeping only).
 """
 from __future__ import annotations
 
@@ -57,12 +59,14 @@ def is_graph_case(spec: str) -> bool:
 @contextlib.contextmanager
 def poisoned_allocations() -> Iterator[None]:
     """Inside the block, ``torch.empty``, ``torch.empty_like`` and ``Tensor.new_empty`` return floating tensors
-    filled with NaN (a fill kernel on the GPU, which a CUDA graph captures and replays with the allocation)."""
+    filled with NaN, except while a CUDA graph is being captured: there the fill would be a node of the graph, run at
+    every replay, and would overwrite what the caller writes into a static buffer between replays (the training
+    region's output gradients are allocated during its backward capture and filled before each replay)."""
     import torch
     real = (torch.empty, torch.empty_like, torch.Tensor.new_empty)
 
     def poison(tensor):
-        if tensor.is_floating_point():
+        if tensor.is_floating_point() and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing()):
             tensor.fill_(float("nan"))
         return tensor
 
