@@ -75,3 +75,19 @@ def test_every_case_passes_natively_on_the_gpu_with_poisoned_allocations(case):
     checks = targets.run_case(case, "cuda", poison=True)
     failed = [(check.name, check.error, check.limit) for check in checks if not check.passed]
     assert checks and not failed, failed
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
+def test_no_poison_is_captured_into_a_cuda_graph():
+    """A buffer allocated during a capture and written between replays (a static buffer) must keep what the caller
+    wrote: a captured NaN fill would overwrite it at every replay."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with targets.poisoned_allocations():
+        with torch.cuda.stream(stream):
+            graph.capture_begin()
+            static = torch.empty(4, device="cuda")
+            graph.capture_end()
+    static.fill_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static.cpu(), torch.ones(4))
