@@ -3,7 +3,7 @@
 graph inference; one table of what each tool reported, with the kernel it named.
 
     python tools/sanitize_kernels.py --out DIR [--tools memcheck initcheck racecheck] [--cases all | KIND:DTYPE ...]
-        [--jobs 8] [--timeout 300] [--deadline SECONDS] [--sanitizer PATH]
+        [--group-dtypes] [--jobs 8] [--timeout 300] [--deadline SECONDS] [--sanitizer PATH]
     python tools/sanitize_kernels.py --out DIR --native [--device cpu --tiny]   # the targets alone, no sanitizer
 
 Cases: msda:{fp32,fp16,bf16,fp64}, msda-fused:{...}, sdpa:{fp32,fp16,bf16}, graph-train:{fp32,bf16},

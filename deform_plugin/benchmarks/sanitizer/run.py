@@ -88,7 +88,8 @@ def find_sanitizer(explicit: Optional[str] = None) -> Optional[str]:
 
 @dataclass
 class Run:
-    """One target process: a case natively (``tool`` None) or under one sanitizer tool."""
+    """One target process: a case natively (``tool`` None) or under one sanitizer tool. ``case`` may name several
+    cases of one kind, comma-separated (``--group-dtypes``): one process runs them one after another."""
 
     case: str
     tool: Optional[str]
@@ -106,7 +107,11 @@ class Run:
 
     @property
     def name(self) -> str:
-        return f"{self.tool or 'native'}_{self.case.replace(':', '_')}"
+        from .targets import parse_case
+        cases = self.case.split(",")
+        label = cases[0] if len(cases) == 1 else parse_case(cases[0])[0] + "_" + "-".join(
+            parse_case(case)[1] for case in cases)
+        return f"{self.tool or 'native'}_{label.replace(':', '_')}"
 
     @property
     def ok(self) -> bool:
@@ -115,11 +120,20 @@ class Run:
 
 def uses_caching_allocator(case: str, tool: Optional[str]) -> bool:
     from .targets import is_graph_case
-    return tool not in ("memcheck", "initcheck") or is_graph_case(case)
+    return tool not in ("memcheck", "initcheck") or any(is_graph_case(each) for each in case.split(","))
+
+
+def group_by_kind(cases: Sequence[str]) -> List[str]:
+    """The cases of each kind joined into one comma-separated entry, kinds in their first order."""
+    from .targets import parse_case
+    groups: Dict[str, List[str]] = {}
+    for case in cases:
+        groups.setdefault(parse_case(case)[0], []).append(case)
+    return [",".join(group) for group in groups.values()]
 
 
 def target_command(case: str, device: str, json_path: Path, poison: bool, tiny: bool) -> List[str]:
-    command = [sys.executable, "-m", TARGET_MODULE, case, "--device", device, "--json", str(json_path)]
+    command = [sys.executable, "-m", TARGET_MODULE, *case.split(","), "--device", device, "--json", str(json_path)]
     return command + (["--poison"] if poison else []) + (["--tiny"] if tiny else [])
 
 
@@ -283,6 +297,10 @@ def build_parser(description: Optional[str] = None) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda", help="the targets' device (cpu with --native and "
                         "TRITON_INTERPRET=1 runs the kernel cases in Triton's interpreter)")
     parser.add_argument("--tiny", action="store_true", help="kernel cases at their smallest shape only")
+    parser.add_argument("--group-dtypes", action="store_true",
+                        help="one process per kind and tool, running its dtypes one after another (fewer process "
+                             "and CUDA starts under the sanitizer; a report then names the kernel, and the log's "
+                             "order the dtype)")
     return parser
 
 
@@ -320,9 +338,11 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
     started = time.perf_counter()
     lock = threading.Lock()
     native = [] if args.skip_native else [Run(case, None) for case in cases]
-    # Slowest first: the detector cases, then the kernel cases; tool by tool.
+    # Tool by tool in the order given (a deadline then cuts the last tools), slowest cases first.
     from .targets import is_graph_case
-    ordered = sorted(cases, key=lambda case: not is_graph_case(case))
+    if args.group_dtypes:  # the native runs stay one per case: more processes compile Triton's kernels at once
+        cases = group_by_kind(cases)
+    ordered = sorted(cases, key=lambda case: not is_graph_case(case.split(",")[0]))
     sanitized = [] if args.native else [Run(case, tool) for tool in args.tools for case in ordered]
     runs = native + sanitized
     extra = args.sanitizer_args.split()

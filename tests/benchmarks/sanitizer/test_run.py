@@ -167,3 +167,16 @@ def test_terminating_the_runner_ends_its_running_processes(tmp_path):
         assert code is not None and code < 0 and "up" in output  # killed by a signal, not timed out
     finally:
         run._stopping.clear()
+
+
+def test_grouped_dtypes_run_one_process_per_kind_and_tool(tmp_path, fake_sanitizer, pretend_cuda):
+    out = tmp_path / "out"
+    assert run.group_by_kind(["msda:fp32", "sdpa:bf16", "msda:bf16"]) == ["msda:fp32,msda:bf16", "sdpa:bf16"]
+    code = run.main(["--out", str(out), "--sanitizer", fake_sanitizer, "--skip-native", "--device", "cpu",
+                     "--cases", "msda:fp32", "msda:bf16", "sdpa:fp16", "--tools", "racecheck", "--group-dtypes"])
+    assert code == 0
+    runs = _runs(out)
+    assert set(runs) == {("racecheck", "msda:fp32,msda:bf16"), ("racecheck", "sdpa:fp16")}
+    grouped = runs[("racecheck", "msda:fp32,msda:bf16")]
+    assert grouped["log"] == "logs/racecheck_msda_fp32-bf16.log" and grouped["status"] == "clean"
+    assert "msda:fp32 msda:bf16 --device cpu" in (out / grouped["log"]).read_text()
