@@ -8,6 +8,7 @@ One helper per concern, so the op benchmarks and the detector benchmark report t
 - :func:`summarize_ms`: the same statistics of host-timed samples;
 - :func:`reset_peak_memory`, :func:`peak_memory_mb`, :func:`peak_extra_memory_mb`: peak CUDA memory;
 - :func:`relative_error`: ``||actual - expected|| / ||expected||`` (Frobenius norms, in float64);
+- :func:`init_weights_quietly`: a random model's ``init_weights()`` without mmengine's log of every parameter;
 - :func:`write_csv`, :func:`markdown_table`, :func:`plot_lines` / :func:`save_figure`: the writers.
 
 This module imports torch and the standard library only: it serves processes that must not import deform_plugin.
@@ -161,6 +162,28 @@ def peak_extra_memory_mb(fn: Callable[[], object], device: torch.device) -> floa
     extra = peak_memory_mb(device)["allocated_mb"] - before / 2 ** 20
     del result
     return extra
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------------------
+
+def init_weights_quietly(model) -> None:
+    """``model.init_weights()`` with mmengine's logger at WARNING (it logs a paragraph per parameter at INFO).
+
+    A model built from a config without ``init_weights()`` (mmdet's ``init_detector(config, None)`` does not run it)
+    keeps whatever memory some parameters were allocated in: DETR's ``level_embed`` is ``torch.Tensor(L, C)``.
+    """
+    import logging
+
+    from mmengine.logging import MMLogger
+    logger = MMLogger.get_current_instance()
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        model.init_weights()
+    finally:
+        logger.setLevel(level)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

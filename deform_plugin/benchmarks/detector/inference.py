@@ -25,7 +25,15 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from deform_plugin.benchmarks.common import machine_info, machine_line, markdown_table, pyplot, save_figure, write_csv
+from deform_plugin.benchmarks.common import (
+    init_weights_quietly,
+    machine_info,
+    machine_line,
+    markdown_table,
+    pyplot,
+    save_figure,
+    write_csv,
+)
 from deform_plugin.benchmarks.detector.inference_loop import DISTRIBUTIONS
 from deform_plugin.benchmarks.stock_process import stock_command
 
@@ -86,13 +94,19 @@ def _overrides(args) -> Dict[str, dict]:
 
 
 def save_random_weights(config: str, path: Path, seed: int):
-    """One set of random weights for every row (ours and stock name their parameters alike); returns the model."""
+    """One set of random weights for every row (ours and stock name their parameters alike); returns the model.
+
+    ``init_detector(config, None)`` builds the model without ``init_weights()``, which leaves DETR's
+    ``level_embed`` as uninitialised memory (zeros in most processes, garbage, NaN included, in some): the weights
+    would then differ from run to run. ``init_weights()`` gives every parameter the model's own initialisation
+    (``init_detector`` has dropped the backbone's pretrained ``init_cfg``: nothing is downloaded)."""
     import torch
     from mmdet.apis import init_detector
 
     import deform_plugin  # noqa: F401  (before mmdet: the mmcv-lite stand-in)
     torch.manual_seed(seed)
     model = init_detector(config, None, device="cpu")
+    init_weights_quietly(model)
     # The classes go along, so that mmdet's init_detector need not build the config's dataset to find them.
     torch.save({"state_dict": model.state_dict(), "meta": {"dataset_meta": dict(model.dataset_meta)}}, path)
     return model

@@ -65,13 +65,27 @@ def make_images(sizes: Sequence[Tuple[int, int]], seed: int = 0) -> List[np.ndar
     return images
 
 
-def _top_detections(result) -> Dict[str, list]:
+def _top_detections(result, top_k: int = TOP_K) -> Dict[str, list]:
     instances = result.pred_instances
-    order = torch.argsort(instances.scores, descending=True)[:TOP_K]
-    finite = bool(torch.isfinite(instances.scores).all()) and bool(torch.isfinite(instances.bboxes).all())
-    return dict(finite=finite, scores=instances.scores[order].float().cpu().tolist(),
+    # A NaN score sorts first (descending): the top detections show it.
+    order = torch.argsort(instances.scores, descending=True)[:top_k]
+    nonfinite = int((~torch.isfinite(instances.scores)).sum()) + int((~torch.isfinite(instances.bboxes)).sum())
+    return dict(finite=nonfinite == 0, nonfinite=nonfinite, scores=instances.scores[order].float().cpu().tolist(),
                 bboxes=instances.bboxes[order].float().cpu().tolist(),
                 labels=instances.labels[order].cpu().tolist())
+
+
+def poison_uninitialized_memory() -> None:
+    """From now on every uninitialised tensor PyTorch allocates (``torch.empty``, kernels' outputs and scratch,
+    in C++ too) is filled with NaN (integers with their largest value): PyTorch's ``fill_uninitialized_memory``,
+    which works under deterministic algorithms, here with ``warn_only`` (operations without a deterministic
+    implementation warn instead of failing; MSDA's backward, unused in inference, would take its sorted path).
+    A value read before it is written then turns into NaN on every run instead of on some. Call it before the first
+    CUDA call (cuBLAS reads its workspace setting when it starts)."""
+    import os
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
 
 
 def _autocast(model, amp_dtype: Optional[str]):
@@ -79,9 +93,11 @@ def _autocast(model, amp_dtype: Optional[str]):
     return torch.autocast("cuda", dtype=getattr(torch, amp_dtype or "float16"), enabled=bool(amp_dtype) and cuda)
 
 
-def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str] = None) -> dict:
+def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str] = None,
+                   top_k: int = TOP_K) -> dict:
     """Each image through ``mmdet.apis.inference_detector`` (the device synchronised after each): the seconds per
-    image, each image's top detections and the peak memory."""
+    image, each image's ``top_k`` detections (and its count of non-finite scores and box coordinates) and the peak
+    memory."""
     from mmdet.apis import inference_detector
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -97,7 +113,7 @@ def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str]
             if cuda:
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - started)
-            detections.append(_top_detections(result))  # after the clock: reading detections back is ours
+            detections.append(_top_detections(result, top_k))  # after the clock: reading detections back is ours
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else None
     return dict(seconds=seconds, detections=detections, peak_memory_mb=peak)
 
@@ -137,15 +153,18 @@ def build_row_model(spec: dict):
 
 def child_main(argv: Sequence[str]) -> int:
     """One row in this process: ``inference_loop.py SPEC.json``, SPEC naming the row, config, weights, images and
-    where the JSON result goes."""
+    where the JSON result goes (optional: ``top_k`` detections kept per image, ``poison`` for
+    :func:`poison_uninitialized_memory`)."""
     with open(argv[0]) as handle:
         spec = json.load(handle)
+    if spec.get("poison"):
+        poison_uninitialized_memory()
     started = time.perf_counter()
     model, changed = build_row_model(spec)
     build_seconds = time.perf_counter() - started
     sizes = image_sizes(spec["distribution"], spec["count"], spec["seed"])
     images = make_images(sizes, spec["seed"])
-    result = time_inference(model, images, spec.get("amp_dtype"))
+    result = time_inference(model, images, spec.get("amp_dtype"), spec.get("top_k", TOP_K))
     if spec.get("phase_images"):
         # After the timed loop, on images whose sizes it has seen: the steady state's phases.
         from deform_plugin.benchmarks.detector.inference_phases import time_phases
