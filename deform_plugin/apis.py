@@ -19,7 +19,6 @@ from typing import Dict, Optional
 from .cuda_graphs import CapturePolicy, InferenceBuckets
 from .integration.mmdet_fast_paths import apply_fast_paths
 from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
-from .integration.mmengine_pinned_inputs import stage_inputs_through_pinned_memory
 
 __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference", "throughput_buckets"]
 
@@ -39,6 +38,4 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None,
     model.eval()
     changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True))
     changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
-    if getattr(model, "data_preprocessor", None) is not None:
-        changed["pinned_inputs"] = stage_inputs_through_pinned_memory(model.data_preprocessor)
     return changed
