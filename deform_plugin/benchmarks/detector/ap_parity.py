@@ -59,7 +59,8 @@ from .ap_parity_config import (
     prepare_data,
     scale_problems,
 )
-from .ap_parity_study import PLAN_FILE, Study, init_dir, report, run_study
+from .ap_parity_processes import init_dir
+from .ap_parity_study import PLAN_FILE, Study, report, run_study
 from .parity_hook import read_json
 from .train_overlay import parse_row, read_base_config
 
