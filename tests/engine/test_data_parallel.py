@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from emulated_graphs import EmulatedGraphRegion, SmallNet, forward_backward, small_region
-from gloo_ranks import run_gloo_ranks
+from gloo_ranks import run_gloo_workers
 from torch import nn
 
 from deform_plugin.engine.data_parallel import FlatGradientsDataParallel, ParameterGradientSlots
@@ -20,6 +20,13 @@ def _batch(step, rows=4, seed=0):
 
 def _trainable_grads(net):
     return [None if p.grad is None else p.grad.clone() for p in net.parameters() if p.requires_grad]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    """{worker name: its folder}: the three two-rank workers of this file, run in one pair of gloo ranks (spawning a
+    pair costs seconds)."""
+    return run_gloo_workers((_wrapper_worker, _train_step_worker, _runner_worker), tmp_path_factory.mktemp("gloo"))
 
 
 def test_slots_view_one_flat_buffer_per_dtype_in_parameter_order():
@@ -137,9 +144,8 @@ def _wrapper_worker(rank, out_dir):
                     counts=(region.eager_calls, region.replays)), out_dir / f"rank{rank}.pt")
 
 
-def test_wrapper_averages_the_ranks_gradients_and_starts_from_rank_0s_weights(tmp_path):
-    run_gloo_ranks(_wrapper_worker, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+def test_wrapper_averages_the_ranks_gradients_and_starts_from_rank_0s_weights(gloo_results):
+    ranks = [torch.load(gloo_results["_wrapper_worker"] / f"rank{rank}.pt") for rank in range(2)]
     torch.manual_seed(0)
     net = SmallNet().double()
     for rank in ranks:
@@ -199,9 +205,8 @@ def _train_step_worker(rank, out_dir):
     torch.save(dict(weight=model.linear.weight.detach().clone(), loss=log_vars["loss"]), out_dir / f"rank{rank}.pt")
 
 
-def test_wrapper_train_step_updates_every_rank_with_the_mean_gradient(tmp_path):
-    run_gloo_ranks(_train_step_worker, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+def test_wrapper_train_step_updates_every_rank_with_the_mean_gradient(gloo_results):
+    ranks = [torch.load(gloo_results["_train_step_worker"] / f"rank{rank}.pt") for rank in range(2)]
     torch.manual_seed(0)
     linear = nn.Linear(3, 1).double()
     start = linear.weight.detach().clone()
@@ -279,9 +284,8 @@ def _runner_worker(rank, out_dir):
                     bias=runner.model.module.linear.bias.detach().clone()), out_dir / f"rank{rank}.pt")
 
 
-def test_the_runner_trains_every_rank_with_the_mean_gradient(tmp_path):
-    run_gloo_ranks(_runner_worker, tmp_path)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+def test_the_runner_trains_every_rank_with_the_mean_gradient(gloo_results):
+    ranks = [torch.load(gloo_results["_runner_worker"] / f"rank{rank}.pt") for rank in range(2)]
     torch.manual_seed(0)
     linear = nn.Linear(3, 1).double()
     data = _RankDataset()

@@ -117,10 +117,16 @@ def _one_shape_worker(rank, out_dir):
                os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_every_rank_pads_its_training_batch_to_the_largest_padded_shape_of_all_ranks(tmp_path):
-    from gloo_ranks import run_gloo_ranks
-    run_gloo_ranks(_one_shape_worker, str(tmp_path))
-    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    """{worker name: its folder}: the two-rank workers of this file, run in one pair of gloo ranks (spawning a pair
+    costs seconds)."""
+    from gloo_ranks import run_gloo_workers
+    return run_gloo_workers((_one_shape_worker, _borrow_worker), tmp_path_factory.mktemp("gloo"))
+
+
+def test_every_rank_pads_its_training_batch_to_the_largest_padded_shape_of_all_ranks(gloo_results):
+    results = [torch.load(gloo_results["_one_shape_worker"] / f"rank{rank}.pt") for rank in range(2)]
     # Rank 0 pads to (128, 192) on its own, rank 1 to (224, 160): both get (224, 192).
     assert [tuple(r["bucketed"].shape[-2:]) for r in results] == [(128, 192), (224, 160)]
     for rank, result in enumerate(results):
@@ -155,10 +161,8 @@ def _borrow_worker(rank, out_dir):
     torch.save(shapes, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-def test_ranks_agree_on_a_shape_before_borrowing_so_they_borrow_alike(tmp_path):
-    from gloo_ranks import run_gloo_ranks
-    run_gloo_ranks(_borrow_worker, str(tmp_path))
-    shapes = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+def test_ranks_agree_on_a_shape_before_borrowing_so_they_borrow_alike(gloo_results):
+    shapes = [torch.load(gloo_results["_borrow_worker"] / f"rank{rank}.pt") for rank in range(2)]
     # The ranks' common shapes: (128, 160), then (96, 128) three times. (96, 128) is new: its first two batches
     # borrow (128, 160) (1.67x its pixels), its third runs as itself; both ranks alike.
     assert shapes[0] == shapes[1] == [(128, 160), (128, 160), (128, 160), (96, 128)]

@@ -26,6 +26,27 @@ def run_gloo_ranks(worker, *args, world_size: int = 2, timeout_s: float = 240.0)
             pytest.fail(f"{world_size} gloo ranks did not finish within {timeout_s:.0f} s")
 
 
+def run_gloo_workers(workers, out_dir, world_size: int = 2, timeout_s: float = 240.0) -> dict:
+    """Run each of ``workers`` (module-level functions) as ``worker(rank, folder)``, one after another in one set of
+    ranks (spawning the processes costs seconds; the workers share their process group); ``folder`` is the
+    worker's own, ``out_dir / worker.__name__``. Returns ``{worker.__name__: folder}``."""
+    from pathlib import Path
+    folders = {worker.__name__: Path(out_dir) / worker.__name__ for worker in workers}
+    assert len(folders) == len(workers), "workers need distinct names"
+    for folder in folders.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    run_gloo_ranks(_each_worker, tuple(workers), folders, world_size=world_size, timeout_s=timeout_s)
+    return folders
+
+
+def _each_worker(rank, workers, folders):
+    import torch.distributed as dist
+    kept = []  # what the workers return lives until the process exits (see the teardown note in _rank_main)
+    for worker in workers:
+        kept.append(worker(rank, folders[worker.__name__]))
+        dist.barrier()  # the next worker starts on every rank after this one has ended on all
+
+
 def _rank_main(rank, world_size, init_method, worker, args):
     import torch
     import torch.distributed as dist

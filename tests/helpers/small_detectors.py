@@ -12,9 +12,14 @@ DETECTOR_CONFIGS = {
     "mask2former": "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py"}
 
 
-def small_detector(name, dtype=torch.float64):
+def small_detector(name, dtype=torch.float64, layers=None, feedforward_channels=None):
     """The ``name`` family's detector (a key of :data:`DETECTOR_CONFIGS`), shrunk for CPU steps, initialised, in
-    training mode."""
+    training mode.
+
+    Where given, ``layers`` is the number of encoder and decoder layers (six each in the configs; Mask2Former's pixel
+    decoder gets ``layers`` and its transformer decoder, which attends to its three feature levels in turn, one round
+    of three per layer) and ``feedforward_channels`` the hidden width of every FFN (1024 or 2048 in the configs).
+    """
     from mmengine.config import Config
     torch.manual_seed(0)
     cfg = Config.fromfile(str(REPO_ROOT / DETECTOR_CONFIGS[name]))
@@ -22,12 +27,22 @@ def small_detector(name, dtype=torch.float64):
     # same.
     cfg.model.backbone.depth = 18
     if name == "mask2former":
-        cfg.model.panoptic_head.in_channels = [64, 128, 256, 512]
-        cfg.model.panoptic_head.num_queries = 20
+        head = cfg.model.panoptic_head
+        head.in_channels = [64, 128, 256, 512]
+        head.num_queries = 20
         cfg.model.train_cfg.num_points = 256
+        encoder, decoder = head.pixel_decoder.encoder, head.transformer_decoder
+        decoder_layers = None if layers is None else 3 * layers
     else:
         cfg.model.neck.in_channels = [128, 256, 512]
         cfg.model.num_queries = 100
+        encoder, decoder = cfg.model.encoder, cfg.model.decoder
+        decoder_layers = layers
+    if layers is not None:
+        encoder.num_layers, decoder.num_layers = layers, decoder_layers
+    if feedforward_channels is not None:
+        for stack in (encoder, decoder):
+            stack.layer_cfg.ffn_cfg.feedforward_channels = feedforward_channels
     model = stock_worker.build_msda_owner(cfg)
     model.init_weights()
     return model.to(dtype=dtype).train()

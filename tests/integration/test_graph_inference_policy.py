@@ -44,6 +44,8 @@ def dino():
     cfg.model.backbone.depth = 18
     cfg.model.neck.in_channels = [128, 256, 512]
     cfg.model.num_queries = 50
+    # Two encoder and two decoder layers: what is checked is which calls run, capture or replay, and their detections.
+    cfg.model.encoder.num_layers = cfg.model.decoder.num_layers = 2
     model = stock_worker.build_msda_owner(cfg)
     model.init_weights()
     apply_fast_paths(model, sync_free_forward=True)

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import stock_worker
 import torch
+from small_detectors import small_detector
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
 from deform_plugin.apis import enable_fast_inference
@@ -26,6 +27,12 @@ def _detector(name, device="cpu", dtype=torch.float64):
     return model.to(device=device, dtype=dtype).eval()
 
 
+def _small_detector(name):
+    """The CPU tests' detector: the config's, shrunk (ResNet-18, 100 or 20 queries, two layers of each kind); the
+    split predict and the fast inference run the same pieces at any size."""
+    return small_detector(name, dtype=torch.float64, layers=2).eval()
+
+
 def _predictions(samples):
     out = []
     for sample in samples:
@@ -39,7 +46,7 @@ def test_split_predict_is_the_stock_predict(name):
     # The DETRs' region takes each image's size as a tensor and masks its padding; an unpadded image gets an
     # all-valid mask where stock passes none: the same detections up to rounding.
     from deform_plugin.integration.mmdet_fast_paths.graphed_training import image_sizes_tensor
-    detector = _detector(name)
+    detector = _small_detector(name)
     inputs, samples = stock_worker.detection_inputs(batch=1, height=224, width=256)
     graph_inference = GraphInference(detector)
     with torch.no_grad():
@@ -57,7 +64,7 @@ def test_split_predict_is_the_stock_predict(name):
 
 def test_on_a_cpu_fast_inference_gives_the_eager_detections():
     # 224 x 256 is its own 32 px bucket: no padding, the region's all-valid masks where stock passes none.
-    detector = _detector("dino")
+    detector = _small_detector("dino")
     reference = copy.deepcopy(detector)
     enable_fast_inference(detector)
     inputs, samples = stock_worker.detection_inputs(batch=1, height=224, width=256)

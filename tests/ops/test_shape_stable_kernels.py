@@ -61,9 +61,10 @@ def _msda_call(generator, dtype, fused, levels, queries):
 
 
 def _sdpa_call(generator, dtype, width, height):
-    q, k, v = (torch.randn(1, 2, 1, width * height, 16, generator=generator).to(dtype).requires_grad_()
+    # One view: the interpreter runs a program per pixel, view and head; the view count is the same at every size.
+    q, k, v = (torch.randn(1, 1, 1, width * height, 16, generator=generator).to(dtype).requires_grad_()
                for _ in range(3))
-    coords = torch.rand(1, 2, width * height, 2, 3, 2, generator=generator).to(dtype).requires_grad_()
+    coords = torch.rand(1, 1, width * height, 1, 3, 2, generator=generator).to(dtype).requires_grad_()
     deform_sdpa(q, k, v, coords, width, height, backend="triton").float().sum().backward()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from checkout import checkout_environment
+from tool_main import run_tool_main
 from train_benchmark_cases import TINY_COCO_CONFIG
 
 from deform_plugin.benchmarks.detector.inference import compare_detections, parse_row
@@ -71,7 +72,8 @@ def test_a_small_cpu_run_writes_its_report(tmp_path):
     assert (tmp_path / "inference.png").stat().st_size > 0
 
 
-def test_a_missing_config_is_one_error_line(tmp_path):
-    completed = subprocess.run([sys.executable, "tools/benchmark_infer.py", "nowhere.py", "--out-dir", str(tmp_path)],
-                               cwd=ROOT, env=checkout_environment(), capture_output=True, text=True, timeout=120)
-    assert completed.returncode == 2 and "config 'nowhere.py' does not exist" in completed.stderr
+def test_a_missing_config_is_one_error_line(tmp_path, monkeypatch, capsys):
+    # A usage error needs no fresh interpreter: the command line runs in this process.
+    monkeypatch.chdir(ROOT)
+    status, _, stderr = run_tool_main("benchmark_infer.py", ["nowhere.py", "--out-dir", tmp_path], monkeypatch, capsys)
+    assert status == 2 and "config 'nowhere.py' does not exist" in stderr

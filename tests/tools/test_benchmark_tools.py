@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from checkout import checkout_environment
+from tool_main import run_tool_main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -146,8 +147,10 @@ def test_profile_tool_writes_breakdown_chart_and_trace(micro_config, tmp_path):
     assert (out_dir / "profile.png").exists()
 
 
-def test_profile_tool_help_describes_the_profile():
-    stdout = _run_tool("profile_step.py", ["--help"]).stdout
+def test_profile_tool_help_describes_the_profile(monkeypatch, capsys):
+    # The command line's own answers (help, a refused option) need no fresh interpreter: run in this process.
+    status, stdout, _ = run_tool_main("profile_step.py", ["--help"], monkeypatch, capsys)
+    assert status == 0
     assert stdout.startswith("usage: profile_step.py")
     assert "Profile training steps of mmdet configs" in stdout and "--profile-steps" in stdout
     assert "Whole-detector benchmark" not in stdout
@@ -156,8 +159,8 @@ def test_profile_tool_help_describes_the_profile():
                    "--profile-only", "--no-progress"):
         assert option not in stdout, option
     assert "(default: work_dirs/profile/<config stem>)" in stdout
-    refused = _run_tool("profile_step.py", ["x.py", "--steps", "3"], expect_rc=2)
-    assert "unrecognized arguments: --steps 3" in refused.stderr
+    status, _, stderr = run_tool_main("profile_step.py", ["x.py", "--steps", "3"], monkeypatch, capsys)
+    assert status == 2 and "unrecognized arguments: --steps 3" in stderr
 
 
 def test_benchmark_refuses_a_shape_mask2former_cannot_take(tmp_path):
@@ -221,12 +224,12 @@ def test_bench_msda_checks_the_deterministic_backward_against_float64(monkeypatc
     assert backwards == [False, True]
 
 
-def test_benchmark_rejects_malformed_rows(micro_config, tmp_path):
-    completed = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "benchmark.py"), micro_config,
-                                "--rows", "triton:fp8", "--device", "cpu"], cwd=REPO_ROOT, env=checkout_environment(),
-                               capture_output=True, text=True, timeout=120)
-    assert completed.returncode == 2
-    assert "mode 'fp8' is not one of fp32, fp16, bf16" in completed.stderr
+def test_benchmark_rejects_malformed_rows(micro_config, monkeypatch, capsys):
+    # Refused by the command line's parser, before any row runs: in this process (no fresh interpreter needed).
+    status, _, stderr = run_tool_main("benchmark.py", [micro_config, "--rows", "triton:fp8", "--device", "cpu"],
+                                      monkeypatch, capsys)
+    assert status == 2
+    assert "mode 'fp8' is not one of fp32, fp16, bf16" in stderr
 
 
 def test_msda_host_split_times_every_piece_of_the_plain_op():

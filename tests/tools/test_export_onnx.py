@@ -1,7 +1,9 @@
 """tools/export_onnx.py: detectors exported and verified in ONNX Runtime, and a one-line message for each bad request.
 
-The demo detector and two stock families (Deformable-DETR two-stage and Mask2Former instance, R-50, random weights) at
-128x128 run here; the other families are run by hand (docs/deployment.md lists the commands and the numbers).
+The demo detector and two stock families (Deformable-DETR two-stage and Mask2Former instance, random weights) at
+128x128 run here, the families shrunk through the tool's --cfg-options (a ResNet-18, fewer encoder and decoder layers:
+the same operators and outputs, a smaller graph to export and run); the other families are run by hand
+(docs/deployment.md lists the commands and the numbers).
 """
 from __future__ import annotations
 
@@ -72,9 +74,19 @@ def test_demo_detector_exports_and_verifies_on_an_image(tool, tmp_path, capsys):
     assert domains <= {"", "ai.onnx"} and "GridSample" in operators
 
 
-def _export_and_verify_at_128(tool, config, out, capsys):
+# --cfg-options that shrink each family: a ResNet-18 (its channels into the neck or the pixel decoder), two encoder
+# layers, and two decoder layers (Mask2Former's transformer decoder: one round of three over its feature levels).
+TWO_STAGE_SMALL = ["model.backbone.depth=18", "model.neck.in_channels=[128,256,512]", "model.encoder.num_layers=2",
+                   "model.decoder.num_layers=2"]
+MASK2FORMER_SMALL = ["model.backbone.depth=18", "model.panoptic_head.in_channels=[64,128,256,512]",
+                     "model.panoptic_head.pixel_decoder.encoder.num_layers=2",
+                     "model.panoptic_head.transformer_decoder.num_layers=3"]
+
+
+def _export_and_verify_at_128(tool, config, out, capsys, cfg_options=()):
     """The tool's printout and the file's signature after ``--shape 128 128 --verify`` (which must pass)."""
-    status = tool.main([str(config), "--out", str(out), "--shape", "128", "128", "--verify"])
+    status = tool.main([str(config), "--out", str(out), "--shape", "128", "128", "--verify",
+                        *(["--cfg-options", *cfg_options] if cfg_options else [])])
     printed = capsys.readouterr().out
     assert status == 0, printed
     assert "verify: PASSED" in printed
@@ -85,13 +97,15 @@ def _export_and_verify_at_128(tool, config, out, capsys):
 
 
 def test_stock_two_stage_deformable_detr_exports_and_verifies(tool, tmp_path, capsys):
-    printed, outputs = _export_and_verify_at_128(tool, TWO_STAGE_CONFIG, tmp_path / "two_stage.onnx", capsys)
+    printed, outputs = _export_and_verify_at_128(tool, TWO_STAGE_CONFIG, tmp_path / "two_stage.onnx", capsys,
+                                                 TWO_STAGE_SMALL)
     assert "two-stage proposals" in printed
     assert outputs == {"boxes": [1, 100, 4], "scores": [1, 100], "labels": [1, 100]}
 
 
 def test_mask2former_instance_segmentation_exports_and_verifies(tool, tmp_path, capsys):
-    printed, outputs = _export_and_verify_at_128(tool, MASK2FORMER_CONFIG, tmp_path / "mask2former.onnx", capsys)
+    printed, outputs = _export_and_verify_at_128(tool, MASK2FORMER_CONFIG, tmp_path / "mask2former.onnx", capsys,
+                                                 MASK2FORMER_SMALL)
     assert "masks:  smallest IoU" in printed
     # The pixel decoder's MSDA attends over the backbone's three coarsest maps (strides 8, 16, 32).
     assert "MSDA levels at this size: 16x16, 8x8, 4x4 (336 keys)" in printed

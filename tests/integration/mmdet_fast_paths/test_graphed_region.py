@@ -265,34 +265,47 @@ def _ddp_batch(rank, step):
             torch.rand(rows, generator=generator, dtype=torch.float64))
 
 
-def _ddp_worker(rank, out_dir, ddp_options, split):
-    from torch.nn.parallel import DistributedDataParallel
-    torch.manual_seed(0)
-    net = _Net().double()
-    net.unused.requires_grad_(False)  # DDP (without find_unused_parameters) wants a gradient for the rest
-    caller = _RegionCaller(net, split)
-    model = DistributedDataParallel(caller, **ddp_options)
-    grads = []
-    for step in range(4):  # warm-up, capture, replays
-        model.zero_grad(set_to_none=True)
-        _step(model, *_ddp_batch(rank, step), step)
-        grads.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
-    torch.save(dict(grads=grads, counts=[(region.eager_calls, region.replays) for region in caller.regions]),
-               out_dir / f"rank{rank}.pt")
-
-
 # The second: the wrapper settings of the fast DETR configs (model_wrapper_cfg), gradients as views of the buckets.
-@pytest.mark.parametrize("ddp_options,split", [
-    ({}, False), (dict(broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=True), False),
-    (dict(broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=True), True)],
-    ids=["default", "fast-config", "fast-config-two-regions"])
-def test_replayed_gradients_are_averaged_across_ranks_under_ddp(tmp_path, ddp_options, split):
+_FAST_CONFIG_DDP = dict(broadcast_buffers=False, gradient_as_bucket_view=True, static_graph=True)
+_DDP_CASES = {"default": ({}, False), "fast-config": (_FAST_CONFIG_DDP, False),
+              "fast-config-two-regions": (_FAST_CONFIG_DDP, True)}
+
+
+def _ddp_worker(rank, out_dir):
+    from torch.nn.parallel import DistributedDataParallel
+    kept = []  # every wrapper lives until the process exits: a reducer freed beside gloo's threads can deadlock
+    for case, (ddp_options, split) in _DDP_CASES.items():  # each case its own network, region and wrapper
+        torch.manual_seed(0)
+        net = _Net().double()
+        net.unused.requires_grad_(False)  # DDP (without find_unused_parameters) wants a gradient for the rest
+        caller = _RegionCaller(net, split)
+        model = DistributedDataParallel(caller, **ddp_options)
+        kept.append(model)
+        grads = []
+        for step in range(4):  # warm-up, capture, replays
+            model.zero_grad(set_to_none=True)
+            _step(model, *_ddp_batch(rank, step), step)
+            grads.append([p.grad.clone() for p in net.parameters() if p.requires_grad])
+        torch.save(dict(grads=grads, counts=[(region.eager_calls, region.replays) for region in caller.regions]),
+                   out_dir / f"{case}-rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    """Every case's results on both ranks, from one pair of gloo ranks (spawning a pair costs seconds)."""
+    out_dir = tmp_path_factory.mktemp("ddp")
+    run_gloo_ranks(_ddp_worker, out_dir)
+    return out_dir
+
+
+@pytest.mark.parametrize("case", list(_DDP_CASES))
+def test_replayed_gradients_are_averaged_across_ranks_under_ddp(ddp_results, case):
     # DistributedDataParallel reduces a parameter's gradient when autograd accumulates it: the replay's backward
     # hands the parameters their gradients through the same accumulators, so ranks that replay (or run eagerly)
     # end with the mean of every rank's gradients; with two regions, each region's gradients as its backward
     # returns them.
-    run_gloo_ranks(_ddp_worker, tmp_path, ddp_options, split)
-    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    split = _DDP_CASES[case][1]
+    ranks = [torch.load(ddp_results / f"{case}-rank{rank}.pt") for rank in range(2)]
     assert [r["counts"] for r in ranks] == [[(1, 3)] * (2 if split else 1)] * 2
     torch.manual_seed(0)
     net = _Net().double()

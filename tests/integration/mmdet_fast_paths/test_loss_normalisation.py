@@ -16,27 +16,41 @@ _DETR_DDP_SWITCHES = {"sync-free-losses": dict(sync_free_losses=True),
                       "batched-losses": dict(sync_free_losses=True, batched_losses=True)}
 
 
-def _detr_ddp_worker(rank, out_dir, kind, switches):
+_DETR_KINDS = ("deformable-detr-two-stage", "dino")
+
+
+def _detr_ddp_worker(rank, out_dir):
     from host_transfers import HostTransferSpy
-    stock_head = detr_head(kind)
-    fast_head = copy.deepcopy(stock_head)
-    holder = nn.Module()
-    holder.bbox_head = fast_head
-    apply_fast_paths(holder, **_DETR_DDP_SWITCHES[switches])
-    # Each rank its own gts: the normalisers are the means of the ranks' counts.
-    inputs = detr_loss_inputs(kind, ((3, 5), (0, 4))[rank], seed=rank)
-    stock = losses_and_gradients(stock_head, inputs)
-    with HostTransferSpy() as spy:
-        fast = losses_and_gradients(fast_head, inputs)
-    torch.save(dict(stock=stock, fast=fast, transfers=spy.calls), out_dir / f"rank{rank}.pt")
+    for kind in _DETR_KINDS:
+        for switches in _DETR_DDP_SWITCHES:  # each case its own heads
+            stock_head = detr_head(kind)
+            fast_head = copy.deepcopy(stock_head)
+            holder = nn.Module()
+            holder.bbox_head = fast_head
+            apply_fast_paths(holder, **_DETR_DDP_SWITCHES[switches])
+            # Each rank its own gts: the normalisers are the means of the ranks' counts.
+            inputs = detr_loss_inputs(kind, ((3, 5), (0, 4))[rank], seed=rank)
+            stock = losses_and_gradients(stock_head, inputs)
+            with HostTransferSpy() as spy:
+                fast = losses_and_gradients(fast_head, inputs)
+            torch.save(dict(stock=stock, fast=fast, transfers=spy.calls),
+                       out_dir / f"{kind}-{switches}-rank{rank}.pt")
+
+
+@pytest.fixture(scope="module")
+def detr_ddp_results(tmp_path_factory):
+    """Every case's results on both ranks, from one pair of gloo ranks (spawning a pair costs seconds)."""
+    out_dir = tmp_path_factory.mktemp("detr_ddp")
+    run_gloo_ranks(_detr_ddp_worker, out_dir)
+    return out_dir
 
 
 @pytest.mark.parametrize("switches", list(_DETR_DDP_SWITCHES))
-@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
-def test_detr_fast_losses_average_the_normalisers_over_ranks_as_stock_without_blocking(kind, switches, tmp_path):
-    run_gloo_ranks(_detr_ddp_worker, tmp_path, kind, switches)
+@pytest.mark.parametrize("kind", _DETR_KINDS)
+def test_detr_fast_losses_average_the_normalisers_over_ranks_as_stock_without_blocking(kind, switches,
+                                                                                      detr_ddp_results):
     for rank in range(2):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
+        result = torch.load(detr_ddp_results / f"{kind}-{switches}-rank{rank}.pt")
         (stock, stock_grads), (fast, fast_grads) = result["stock"], result["fast"]
         assert list(fast) == list(stock)
         for name in stock:

@@ -22,7 +22,10 @@ from deform_plugin.ops.triton_support import triton_unavailable_reason
 
 # (h, w): power-of-two axes (exact edges) and one odd level (positions keep 1/8 px from any integer there).
 LEVELS = ((4, 8), (3, 5), (2, 4))
-BATCH, QUERIES, HEADS, HEAD_DIM, POINTS = 2, 5, 2, 3, 4
+# Two images and two heads: a clamped index that strays into the other image's or head's memory reads poison. Two
+# points: the interpreter runs every program's level x point x corner loop (6 samples per query and head, not a power
+# of two, so the kernels' sample lanes are masked too).
+BATCH, QUERIES, HEADS, HEAD_DIM, POINTS = 2, 5, 2, 3, 2
 POISON = (float("inf"), float("-inf"), float("nan"))
 
 # The Triton backend runs on CUDA where there is a GPU, else under the interpreter (tests/conftest.py).

@@ -139,7 +139,8 @@ def test_unaligned_inputs_after_aligned_ones(dtype_name):
     """Triton compiles a variant per pointer alignment; a launch must never reuse an aligned variant for unaligned
     pointers (on a GPU the launches after the first skip Triton's own specialisation)."""
     dtype = DTYPES[dtype_name]
-    case = make_case([(6, 7), (3, 4)], 2, 9, 2, 16, 3, dtype)
+    # One image and two points: alignment is a property of the pointers, not of the sizes (fewer interpreted programs).
+    case = make_case([(6, 7), (3, 4)], 1, 9, 2, 16, 2, dtype)
     for _ in range(2):  # the aligned variant first, twice
         assert_matches_reference(case, dtype)
     value, shapes, starts, locations, weights = case
