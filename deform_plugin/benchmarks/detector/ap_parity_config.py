@@ -47,6 +47,7 @@ from .train_overlay import (
     TIMER_HOOK,
     TIMER_MODULE,
     Row,
+    custom_import_names,
     plugin_references,
     pretrained_overrides,
     read_base_config,
@@ -335,8 +336,7 @@ def overlay_settings(base_cfg, row: Row, seed: int, schedule: Schedule, data: Sh
     overlay["resume"] = False
     overlay["auto_scale_lr"] = dict(enable=False, base_batch_size=schedule.batch_size)
 
-    imports = (base.get("custom_imports") or {}).get("imports", [])
-    imports = [imports] if isinstance(imports, str) else list(imports)
+    imports = custom_import_names(base)
     hooks = copy.deepcopy(list(base.get("custom_hooks") or []))
     if not row.buckets:
         hooks = [hook for hook in hooks if hook.get("type") != SHAPE_BUCKETS_HOOK]
@@ -366,8 +366,7 @@ def render_overlay(base_path: Path, overlay: dict, title: str) -> str:
 
 def init_overlay_settings(base_cfg, schedule: Schedule) -> dict:
     """The stock overlay the initial weights are built from: the model as every run of the config has it."""
-    imports = (base_cfg.get("custom_imports") or {}).get("imports", [])
-    imports = [imports] if isinstance(imports, str) else list(imports)
+    imports = custom_import_names(base_cfg)
     return dict(model=model_overrides(base_cfg.to_dict().get("model") or {}, schedule),
                 custom_imports=dict(imports=[n for n in imports if not is_plugin_module(n)],
                                     allow_failed_imports=False))

@@ -61,7 +61,7 @@ def kill(process: subprocess.Popen) -> None:
 class Interrupted(Exception):
     """SIGTERM (an outer ``timeout``): stop the runs and write the report of what finished."""
 
-def _interrupt(signum, frame):
+def raise_interrupted(signum, frame):
     raise Interrupted()
 
 

@@ -34,10 +34,10 @@ from .ap_parity_config import (
 from .ap_parity_processes import (
     Interrupted,
     TritonWarmup,
-    _interrupt,
     init_dir,
     kill,
     launch,
+    raise_interrupted,
     start_initial_weights,
     thread_env,
 )
@@ -427,7 +427,7 @@ def run_study(study: Study) -> int:
              f"; training stops by {study.stop_at - study.started:.0f} s, the report by {args.deadline:.0f} s")
     study.say(f"{len(study.runs)} runs ({', '.join(plan['rows'])}; seeds {plan['seeds']}; {args.iters} iterations "
               f"of batch {args.batch_size}){stops}; shapes set at {data.root}; work dir {study.work_dir}")
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, raise_interrupted)
     initial: Dict[str, subprocess.Popen] = {}
     warmup: Optional[TritonWarmup] = None
     try:

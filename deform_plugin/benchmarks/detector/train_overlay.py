@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from .coco_source import CocoSource
 from ..stock_process import is_plugin_module
+from .coco_source import CocoSource
 from .configs import MERGED_CONSTRUCTOR, PLUGIN_HOOKS, PLUGIN_TYPE_BASES
 from .iteration_timer import validate_windows
 
@@ -159,6 +159,12 @@ def pretrained_overrides(node: dict) -> dict:
     return overrides
 
 
+def custom_import_names(cfg) -> List[str]:
+    """The module names a config's ``custom_imports`` lists (a single name given as a string included)."""
+    imports = (cfg.get("custom_imports") or {}).get("imports", [])
+    return [imports] if isinstance(imports, str) else list(imports)
+
+
 def plugin_references(node, path: str = "") -> List[str]:
     """Where a config still names deform_plugin: its modules, its hook or its optimizer constructor (paths that merely
     contain the name, such as a cache folder, do not count)."""
@@ -227,9 +233,7 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
     if model_overrides:
         overlay["model"] = model_overrides
 
-    custom_imports = base.get("custom_imports") or {}
-    imports = custom_imports.get("imports", [])
-    imports = [imports] if isinstance(imports, str) else list(imports)
+    imports = custom_import_names(base)
     hooks = copy.deepcopy(list(base.get("custom_hooks") or []))
     if not row.buckets:
         hooks = [hook for hook in hooks if hook.get("type") != SHAPE_BUCKETS_HOOK]
