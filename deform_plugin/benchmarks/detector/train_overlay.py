@@ -17,6 +17,8 @@ from ..stock_process import is_plugin_module
 from .coco_source import CocoSource
 from .configs import MERGED_CONSTRUCTOR, PLUGIN_HOOKS, PLUGIN_TYPE_BASES
 from .iteration_timer import validate_windows
+from .random_text_encoder import MODULE as RANDOM_TEXT_ENCODER_MODULE
+from .random_text_encoder import random_text_encoder_override
 
 TIMER_MODULE = "deform_plugin.benchmarks.detector.iteration_timer"
 TIMER_HOOK = "IterationTimerHook"
@@ -84,6 +86,9 @@ class Settings:
     numa_binding: Optional[str] = None  # with gpus > 1: torch.distributed.run's --numa-binding mode, or none
     profile_first: Optional[int] = None  # profile iterations profile_first.. (StepProfilerHook), or none
     profile_steps: int = 3
+    # Grounding-DINO's BERT: 'auto' (a random text encoder where bert-base-uncased's files are missing), 'random'
+    # or 'real' (see random_text_encoder.py).
+    text_encoder: str = "auto"
 
     def windows(self) -> Dict[str, Tuple[int, int]]:
         """The timed windows by name: ``first`` (warm-up included), ``first_100`` (the first 100 iterations, or all
@@ -230,6 +235,9 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
     overlay["load_from"] = None
     overlay["resume"] = False
     model_overrides = pretrained_overrides(base.get("model") or {})
+    text_encoder = random_text_encoder_override(base, settings.text_encoder)
+    if text_encoder is not None:  # the same random text encoder, for timing only, in every row
+        model_overrides["language_model"] = dict(_delete_=True, **text_encoder)
     if model_overrides:
         overlay["model"] = model_overrides
 
@@ -255,6 +263,8 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
         for key, value in base.items():
             if key not in overlay and key not in RUNNER_KEYS_HANDLED and plugin_references(value):
                 overlay[key] = None
+    if text_encoder is not None:
+        imports.append(RANDOM_TEXT_ENCODER_MODULE)
     imports, hooks = imports + [TIMER_MODULE], hooks + [timer_hook(row, settings, timing_file)]
     if settings.profile_first is not None:
         if profile_dir is None:

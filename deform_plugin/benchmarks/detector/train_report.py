@@ -20,6 +20,7 @@ from typing import Dict, Optional, Sequence
 
 from ..common import repo_commit
 from .coco_source import CocoSource
+from .random_text_encoder import TIMING_ONLY_LABEL
 
 REPORT_NAME = "train_benchmark"
 CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
@@ -169,6 +170,10 @@ def summarize(results: Sequence[dict], settings, source: CocoSource) -> dict:
     )
 
 
+def _random_text_encoder_configs(report: dict) -> list:
+    return sorted({r["config"] for r in report["results"] if r.get("text_encoder")})
+
+
 def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -188,6 +193,8 @@ def markdown(report: dict) -> str:
         f"images (seed {report['source']['seed']}) through each config's own train pipeline. Steady state: "
         f"iterations {steady[0]}-{steady[1]}.",
         "",
+        *[f"**Text encoder:** {Path(config).name} ran on a {TIMING_ONLY_LABEL} (BERT-base's shape, random weights, "
+          "a generated vocabulary): its losses mean nothing.\n" for config in _random_text_encoder_configs(report)],
         f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
         f"| img/s it {ramp[0]}-{ramp[1]} | img/s it {first[0]}-{first[1]} | {ramp[0]}-{ramp[1]} / steady "
         f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "

@@ -40,6 +40,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from ..common import REPO_ROOT
 from ..stock_process import stock_command
 from .coco_source import CocoSource, ensure_coco_source
+from .random_text_encoder import TEXT_ENCODER_CHOICES, TIMING_ONLY_LABEL, random_text_encoder_override
 from .train_overlay import (NEVER, TIMER_HOOK, TIMER_MODULE, Row, Settings, UnsupportedConfig,  # noqa: F401
                             check_supported, overlay_settings, parse_row, plugin_references, read_base_config,
                             render_overlay)
@@ -132,7 +133,9 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     shutil.copy(overlay_path, out_dir / "configs" / overlay_path.name)  # kept for reruns by hand
     command = row_command(row, overlay_path, work_dir, settings.gpus, settings.numa_binding)
     result = dict(config=str(config_path), row=row.label, command=command, log=str(log_path), status="failed",
-                  returncode=None, wall_s=None, timing=None, error=None)
+                  returncode=None, wall_s=None, timing=None, error=None,
+                  text_encoder=TIMING_ONLY_LABEL if random_text_encoder_override(base_cfg, settings.text_encoder)
+                  else None)
     if row.stock:
         leftovers = plugin_references(read_base_config(overlay_path).to_dict())
         if leftovers:
@@ -214,6 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--numa-binding", default=None, metavar="MODE",
                         help="with --gpus > 1: bind each rank to the CPUs near its GPU (torch.distributed.run's "
                              "--numa-binding: node, socket, exclusive or core-complex)")
+    parser.add_argument("--text-encoder", choices=TEXT_ENCODER_CHOICES, default=Settings.text_encoder,
+                        help="Grounding-DINO's BERT: random (a random text encoder of its shape, for timing only), "
+                             "real (bert-base-uncased's files, from the Hugging Face cache), or auto (random where "
+                             "those files are missing); every row of a config uses the same")
     parser.add_argument("--profile", type=parse_profile_window, default=None, metavar="FIRST:STEPS",
                         help="profile STEPS iterations from iteration FIRST on every rank (torch.profiler tables "
                              "and a Chrome trace per rank in OUT_DIR/profiles/; profiled iterations run slower)")
@@ -239,7 +246,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         logger_interval=args.logger_interval, timeout_s=args.timeout, gpus=args.gpus,
                         numa_binding=args.numa_binding,
                         profile_first=args.profile[0] if args.profile else None,
-                        profile_steps=args.profile[1] if args.profile else 3)
+                        profile_steps=args.profile[1] if args.profile else 3, text_encoder=args.text_encoder)
     try:
         settings.windows()
     except ValueError as error:

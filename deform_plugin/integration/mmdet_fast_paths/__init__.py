@@ -12,7 +12,9 @@ instances of one model only; each is exact (see its module):
   :mod:`.mask2former_losses`);
 - ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
 - ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass, DINO's denoising losses too
-  (needs the matching solved ahead: turns ``batched_matching`` on too);
+  (needs the matching solved ahead: turns ``batched_matching`` on too); Grounding-DINO's text-conditioned losses
+  likewise (:mod:`.grounding_dino_losses`, which also says which switches have no exact form for it: those are
+  refused);
 - ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs;
 - ``cuda_graphs`` (:mod:`.graphed_training`): their training forward and backward replayed from CUDA graphs, one
   pair per input shape (needs the sync-free forward: turns it on too); under DistributedDataParallel the DETRs'
@@ -37,6 +39,7 @@ from .batched_losses import enable_batched_losses
 from .batched_matching import enable_batched_matching
 from .ffn_memory import enable_ffn_recompute, enable_relu_dropout_fusion
 from .graphed_training import enable_cuda_graphs
+from .grounding_dino_losses import enable_grounding_batched_losses, enable_grounding_host_syncs, grounding_refusals
 from .loss_normalisation import enable_sync_free_losses
 from .mask2former_losses import enable_mask2former_batched_matching
 from .matching import enable_hungarian_host_syncs
@@ -73,12 +76,18 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
                         f"{', '.join(sorted(switch_values))} beside {switches})")
     paths = (switches if switches is not None else FastPaths.from_dict(switch_values)).with_implications()
     model = getattr(model, "module", model)
+    refusals = grounding_refusals(model, paths.selected())
+    if refusals:
+        # Refused before anything changes: a switch that silently did nothing (or something else) would mislead.
+        raise ValueError("; ".join(f"fast path {name} has no exact form for {type(model).__name__}: {reason}"
+                                   for name, reason in refusals.items()) + ": turn it off")
     changed = {}
     if paths.sdpa_attention:
         changed["sdpa_attention"] = enable_sdpa_attention(model)
     if paths.hungarian_host_syncs:
         check_mirrored_mmdet_version("fast path hungarian_host_syncs")
         changed["hungarian_host_syncs"] = enable_hungarian_host_syncs(model)
+        enable_grounding_host_syncs(model)
     if paths.batched_matching:
         changed["batched_matching"] = enable_batched_matching(model) + enable_mask2former_batched_matching(model)
     if paths.sync_free_losses:
@@ -90,7 +99,8 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
     if paths.batched_losses:
         # Last: a head's per-layer loss method (stock or sync-free) stays the fallback for unforeseen calls.
         check_mirrored_mmdet_version("fast path batched_losses")
-        changed["batched_losses"] = sum(enable_batched_losses(head) for head in model.modules()
+        changed["batched_losses"] = sum(enable_batched_losses(head) or enable_grounding_batched_losses(head)
+                                        for head in model.modules()
                                         if "loss_by_feat" in vars(head) and hasattr(head, "assigner"))
     # Before the graphs capture the network; the fusion first, so that recomputation takes the FFNs left.
     if paths.relu_dropout_fusion:

@@ -49,6 +49,16 @@ def _distributed() -> bool:
 
 def batchable_head(head) -> bool:
     """Whether ``head``'s losses are the stock focal/L1/GIoU modules whose per-layer math this pass reproduces."""
+    from mmdet.models.dense_heads import DETRHead
+    # A head with its own targets or per-layer loss (Grounding-DINO's text-conditioned classification) means
+    # something else by the same scores: :mod:`.grounding_dino_losses` batches that one.
+    stock_layer_loss = all(getattr(type(head), name, None) is getattr(DETRHead, name)
+                           for name in ("loss_by_feat_single", "_get_targets_single"))
+    return stock_layer_loss and stock_loss_modules(head)
+
+
+def stock_loss_modules(head) -> bool:
+    """Whether ``head``'s losses are mmdet's sigmoid ``FocalLoss``, ``L1Loss`` and ``GIoULoss``, mean-reduced."""
     from mmdet.models.losses import FocalLoss, GIoULoss, L1Loss
     loss_cls = getattr(head, "loss_cls", None)
     return (type(loss_cls) is FocalLoss and loss_cls.use_sigmoid and not loss_cls.activated
@@ -140,8 +150,6 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     """``loss_by_feat_single``'s ``(loss_cls, loss_bbox, loss_iou)`` of every layer of ``scores`` ``(L, B, Q, C)``
     and ``bbox_preds`` ``(L, B, Q, 4)`` in one pass, from the assignments in ``solved``; None when an assignment
     is missing (the caller then runs the stock per-layer calls)."""
-    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
-
     host_gt_inds = _host_gt_inds(solved, scores, batch_gt_instances)
     if host_gt_inds is None:
         return None
@@ -166,7 +174,17 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     cls_elements = focal_loss_elements(head.loss_cls, flat_scores, labels.reshape(-1), label_weights)
     cls_sums = cls_elements.reshape(num_layers, -1).sum(1)
 
-    # Boxes: stock's pixel-space GIoU and normalized L1, each element as loss_by_feat_single computes it.
+    l1_sums, iou_sums = box_loss_sums(head, bbox_preds, bbox_targets, positive, factors)
+    return _normalised(head, cls_sums, l1_sums, iou_sums, cls_avg, num_pos)
+
+
+def box_loss_sums(head, bbox_preds: torch.Tensor, bbox_targets: torch.Tensor, positive: torch.Tensor,
+                  factors: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per layer, the weighted sums of stock's normalized L1 and pixel-space GIoU elements (``loss_weight``
+    included) of ``bbox_preds`` and ``bbox_targets`` ``(L, B, Q, 4)``; ``positive`` ``(L, B, Q)`` weighs each
+    query, ``factors`` ``(B, 4)`` are the images' (w, h, w, h)."""
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
+    num_layers = bbox_preds.shape[0]
     image_factors = factors[None, :, None]
     pixel_preds = (bbox_cxcywh_to_xyxy(bbox_preds) * image_factors).reshape(-1, 4)
     pixel_targets = (bbox_cxcywh_to_xyxy(bbox_targets) * image_factors).reshape(-1, 4)
@@ -176,8 +194,7 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     iou_sums = head.loss_iou.loss_weight * (iou_elements * positive.reshape(-1)).reshape(num_layers, -1).sum(1)
     l1_elements = torch.abs(bbox_preds - bbox_targets) * positive.unsqueeze(-1)
     l1_sums = head.loss_bbox.loss_weight * l1_elements.reshape(num_layers, -1).sum(1)
-
-    return _normalised(head, cls_sums, l1_sums, iou_sums, cls_avg, num_pos)
+    return l1_sums, iou_sums
 
 
 def _normalised(head, cls_sums: torch.Tensor, l1_sums: torch.Tensor, iou_sums: torch.Tensor, cls_avg: np.ndarray,
@@ -223,20 +240,23 @@ def proposal_matching_groups(head, arguments: dict) -> list:
 
 
 def solve_losses_ahead(head, prediction_sets: Sequence[Tuple[torch.Tensor, torch.Tensor]], arguments: dict,
-                       solved: Dict, proposal_groups: Sequence = ()) -> Dict:
+                       solved: Dict, proposal_groups: Sequence = (), layer_losses_of=None) -> Dict:
     """Every layer's losses of each ``(scores, bboxes)`` set, keyed as ``loss_by_feat_single`` will see the layer;
     ``arguments`` are those of the head's ``loss_by_feat`` call. ``proposal_groups`` (from
-    :func:`proposal_matching_groups`) were solved in the same pass: their losses are found by their scores alone."""
+    :func:`proposal_matching_groups`) were solved in the same pass: their losses are found by their scores alone.
+    ``layer_losses_of`` computes them (:func:`layer_losses`'s signature; it is the default)."""
+    layer_losses_of = layer_losses_of or layer_losses
     batch_gt_instances, batch_img_metas = arguments["batch_gt_instances"], arguments["batch_img_metas"]
     ahead = {}
     if not batch_gt_instances:
         return ahead
     for scores, bboxes in prediction_sets:
         _add_layer_losses(ahead, head, scores, bboxes, batch_gt_instances, batch_img_metas, solved,
-                          _gts_key(batch_gt_instances))
+                          _gts_key(batch_gt_instances), layer_losses_of)
     for sets, proposal_gts in proposal_groups:
         for scores, bboxes in sets:
-            _add_layer_losses(ahead, head, scores, bboxes, proposal_gts, batch_img_metas, solved, _PROPOSALS_KEY)
+            _add_layer_losses(ahead, head, scores, bboxes, proposal_gts, batch_img_metas, solved, _PROPOSALS_KEY,
+                              layer_losses_of)
     return ahead
 
 
@@ -248,10 +268,11 @@ def _gts_key(batch_gt_instances) -> tuple:
     return (id(batch_gt_instances),)
 
 
-def _add_layer_losses(ahead, head, scores, bboxes, batch_gt_instances, batch_img_metas, solved, gts_key):
+def _add_layer_losses(ahead, head, scores, bboxes, batch_gt_instances, batch_img_metas, solved, gts_key,
+                      layer_losses_of):
     if scores.dim() == 3:
         scores, bboxes = scores[None], bboxes[None]
-    losses = layer_losses(head, scores, bboxes, batch_gt_instances, batch_img_metas, solved)
+    losses = layer_losses_of(head, scores, bboxes, batch_gt_instances, batch_img_metas, solved)
     if losses is not None:
         for layer, layer_result in enumerate(losses):
             ahead[_prediction_key(scores[layer], None) + gts_key] = layer_result
@@ -369,13 +390,14 @@ def _denoising_targets_single(head, gt_instances, img_meta, dn_meta):
     return labels, label_weights, bbox_targets, bbox_weights, pos_inds, neg_inds
 
 
-def _batched_loss_dn(head):
-    """``head.loss_dn`` computing every layer's denoising losses in one pass, else as before."""
+def _batched_loss_dn(head, denoising_losses_of):
+    """``head.loss_dn`` computing every layer's denoising losses in one pass (``denoising_losses_of``, with
+    :func:`denoising_layer_losses`'s signature), else as before."""
     loss_dn = head.loss_dn
 
     def batched_loss_dn(all_layers_denoising_cls_scores, all_layers_denoising_bbox_preds, batch_gt_instances,
                         batch_img_metas, dn_meta):
-        losses = denoising_layer_losses(head, all_layers_denoising_cls_scores, all_layers_denoising_bbox_preds,
+        losses = denoising_losses_of(head, all_layers_denoising_cls_scores, all_layers_denoising_bbox_preds,
                                         batch_gt_instances, batch_img_metas, dn_meta)
         if losses is None:
             return loss_dn(all_layers_denoising_cls_scores, all_layers_denoising_bbox_preds, batch_gt_instances,
@@ -395,15 +417,25 @@ def enable_batched_losses(head) -> bool:
     """Give one head whose matching is solved ahead (``batched_matching``) the batched per-layer losses (and
     DINO's denoising losses in one pass); False if its losses are not the stock modules this pass reproduces, or
     it has them already."""
-    if not batchable_head(head) or "prepare_layer_losses" in vars(head):
+    if not batchable_head(head):
+        return False
+    return install_batched_losses(head, layer_losses, denoising_layer_losses if _stock_denoising_losses(head) else None)
+
+
+def install_batched_losses(head, layer_losses_of, denoising_losses_of=None) -> bool:
+    """Make ``head``'s per-layer losses come from one pass (``layer_losses_of``, :func:`layer_losses`'s signature)
+    over the assignments solved ahead, and its denoising losses from ``denoising_losses_of`` where given; False if it
+    has them already."""
+    if "prepare_layer_losses" in vars(head):
         return False
 
     def prepare_layer_losses(prediction_sets, arguments, solved, extra_groups=()):
-        head.losses_ahead = solve_losses_ahead(head, prediction_sets, arguments, solved, extra_groups)
+        head.losses_ahead = solve_losses_ahead(head, prediction_sets, arguments, solved, extra_groups,
+                                               layer_losses_of)
 
     head.loss_by_feat_single = _loss_by_feat_single_from_ahead(head)
     head.extra_matching_groups = functools.partial(proposal_matching_groups, head)
     head.prepare_layer_losses = prepare_layer_losses
-    if _stock_denoising_losses(head):
-        head.loss_dn = _batched_loss_dn(head)
+    if denoising_losses_of is not None:
+        head.loss_dn = _batched_loss_dn(head, denoising_losses_of)
     return True
