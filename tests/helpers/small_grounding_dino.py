@@ -40,6 +40,8 @@ def small_grounding_dino(seed=0):
     denoising queries are made in float32)."""
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
+
+    from deform_plugin.benchmarks.detector import random_text_encoder_model  # noqa: F401  (registers it)
     register_all_modules()
     cfg = small_grounding_dino_config()
     torch.manual_seed(seed)
@@ -50,7 +52,8 @@ def small_grounding_dino(seed=0):
 
 def grounding_batch(model, num_gts_per_image, height=48, width=64, seed=0):
     """A training batch as the config's pipeline packs it: images, boxes of :data:`CLASSES` labels, and the class
-    names as the caption (``text``, ``custom_entities``), as ``CocoDataset(return_classes=True)`` gives them."""
+    names as the caption (``text``, ``custom_entities``), as ``CocoDataset(return_classes=True)`` gives them (the
+    synthetic batches' own caption numbers the classes: these names have words BERT's vocabulary splits)."""
     from deform_plugin.benchmarks.detector.synthetic import make_batch
     images = [make_batch(model, 1, height, width, count, seed + index)
               for index, count in enumerate(num_gts_per_image)]

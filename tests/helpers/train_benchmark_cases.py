@@ -21,4 +21,5 @@ def merged_overlay(tmp_path: Path, config: Path, row_text: str, source, settings
     path = tmp_path / f"{row.side}-{row.mode}.py"
     path.write_text(user_path.render_overlay(config, overlay, row))
     return base, user_path.read_base_config(path)
-FAST_GROUNDING_DINO = REPO_ROOT / "configs" / "fast" / "grounding_dino_swin-t_finetune_16xb2_1x_coco_deform-plugin-fast.py"
+FAST_GROUNDING_DINO = (REPO_ROOT / "configs" / "fast"
+                       / "grounding_dino_swin-t_finetune_16xb2_1x_coco_deform-plugin-fast.py")

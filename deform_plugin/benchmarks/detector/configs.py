@@ -51,8 +51,11 @@ def read_config(path: str, cfg_options: Optional[dict] = None):
 
 
 def load_config(path: str, cfg_options: Optional[dict], plugin: bool):
-    """Load a config and import what it needs; with ``plugin=False`` strip every deform_plugin part first."""
+    """Load a config and import what it needs; with ``plugin=False`` strip every deform_plugin part first. A
+    Grounding-DINO whose BERT files are missing gets the random text encoder (for timing only)."""
+    from .random_text_encoder import use_random_text_encoder
     cfg = read_config(path, cfg_options)
+    use_random_text_encoder(cfg, "auto")
     imports = list((cfg.get("custom_imports") or {}).get("imports", []))
     if not plugin:
         imports = [name for name in imports if not is_plugin_module(name)]

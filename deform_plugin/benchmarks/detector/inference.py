@@ -35,6 +35,7 @@ from deform_plugin.benchmarks.common import (
     write_csv,
 )
 from deform_plugin.benchmarks.detector.inference_loop import DISTRIBUTIONS
+from deform_plugin.benchmarks.detector.random_text_encoder import TEXT_ENCODER_CHOICES, TIMING_ONLY_LABEL
 from deform_plugin.benchmarks.stock_process import stock_command
 
 LOOP_SCRIPT = Path(__file__).with_name("inference_loop.py")
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cold-triton-cache", dest="warm_triton_cache", action="store_false",
                         help="do not compile the Triton kernels before the rows: the first row of each dtype then "
                              "compiles them in its first image (default: compiled first, as a second run finds them)")
+    parser.add_argument("--text-encoder", choices=TEXT_ENCODER_CHOICES, default="auto",
+                        help="Grounding-DINO's BERT: random (a random text encoder of its shape, for timing only), "
+                             "real (bert-base-uncased's files, from the Hugging Face cache), or auto (random where "
+                             "those files are missing)")
     policy = parser.add_argument_group("graph rows' policy and buckets (default: the library's)")
     policy.add_argument("--capture-after", type=int, help="a shape is captured at this call")
     policy.add_argument("--max-graphs", type=int, help="graphs kept at most")
@@ -91,6 +96,21 @@ def _overrides(args) -> Dict[str, dict]:
     buckets = {k: getattr(args, k) for k in ("size_divisor", "borrow_max_pixels", "own_graph_after")
                if getattr(args, k) is not None}
     return dict(policy=policy, buckets=buckets)
+
+
+def config_with_text_encoder(config: str, choice: str, scratch: Path) -> str:
+    """``config``, or where :func:`~.random_text_encoder.random_text_encoder_override` puts the random text encoder
+    (for timing only) in place of its BERT, that config written to ``scratch``: every row reads the same."""
+    from mmengine.config import Config
+
+    from .random_text_encoder import use_random_text_encoder
+    cfg = Config.fromfile(config, import_custom_modules=False)
+    if not use_random_text_encoder(cfg, choice):
+        return config
+    path = scratch / f"{Path(config).stem}-random-text-encoder.py"
+    cfg.dump(str(path))
+    print(f"{Path(config).stem}: its language model is a {TIMING_ONLY_LABEL}", flush=True)
+    return str(path)
 
 
 def save_random_weights(config: str, path: Path, seed: int):
@@ -188,6 +208,9 @@ def report(records: List[dict], info: dict, out_dir: Path) -> str:
                      _fmt(r.get("max_score_diff"), ".2e"), _fmt(r.get("top1_vs_stock"), ".2f"),
                      r["nonfinite_images"]])
     text = machine_line(info) + "\n\n" + markdown_table(header, rows)
+    for config in sorted({r["config"] for r in records if r.get("text_encoder")}):
+        text += (f"\n\n{config} ran on a {TIMING_ONLY_LABEL} (BERT-base's shape, random weights, a generated "
+                 "vocabulary): its detections mean nothing.")
     phased = [r for r in records if r.get("phases_ms")]
     if phased:
         from deform_plugin.benchmarks.detector.inference_phases import PHASES
@@ -247,6 +270,8 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
         scratch = Path(scratch_dir)
         for config in args.configs:
             name = Path(config).stem
+            plain = config
+            config = config_with_text_encoder(config, args.text_encoder, scratch)
             weights = scratch / f"{name}.pth"
             model = save_random_weights(config, weights, args.seed)
             dtypes = sorted({MODES[mode] or "float32" for kind, mode in rows if kind != "stock"})
@@ -266,7 +291,8 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
                                 phase_images=min(args.phases, args.images),
                                 **(overrides if kind.startswith("graph") else {}))
                     result = run_row(spec, scratch, args.timeout)
-                    record = dict(config=name, sizes=sizes, row=label, **result)
+                    record = dict(config=name, sizes=sizes, row=label, **result,
+                                  text_encoder=TIMING_ONLY_LABEL if config != plain else None)
                     if "error" not in result:
                         record.update(summarize(result, args.warmup))
                     print(f"{name} {sizes} {label}: "

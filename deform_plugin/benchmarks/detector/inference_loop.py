@@ -102,6 +102,7 @@ def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str]
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     autocast = _autocast(model, amp_dtype)
+    prompt = caption_prompt(model)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -109,13 +110,23 @@ def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str]
     with autocast:
         for image in images:
             started = time.perf_counter()
-            result = inference_detector(model, image)
+            result = inference_detector(model, image, **prompt)
             if cuda:
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - started)
             detections.append(_top_detections(result, top_k))  # after the clock: reading detections back is ours
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else None
     return dict(seconds=seconds, detections=detections, peak_memory_mb=peak)
+
+
+def caption_prompt(model) -> dict:
+    """``inference_detector``'s text arguments for a grounding detector (one with a language model): its classes as
+    the caption, each one entity, as ``CocoDataset(return_classes=True)`` prompts in training and evaluation
+    (``custom_entities`` also keeps mmdet from parsing the caption with NLTK, whose data it would download); {} for
+    other detectors."""
+    if getattr(model, "language_model", None) is None:
+        return {}
+    return dict(text_prompt=" . ".join(model.dataset_meta["classes"]), custom_entities=True)
 
 
 def build_row_model(spec: dict):
@@ -133,6 +144,8 @@ def build_row_model(spec: dict):
         from mmengine.config import Config
         cfg = Config.fromfile(spec["config"], import_custom_modules=False)
         cfg.pop("custom_imports", None)
+        if "language_model" in cfg.model:  # a grounding detector: the random text encoder may stand in for BERT
+            import deform_plugin.benchmarks.detector.random_text_encoder_model  # noqa: F401  (registers it)
         return init_detector(cfg, spec["weights"], device=device, palette="coco"), {}
     import deform_plugin  # noqa: F401  (before mmdet: the mmcv-lite stand-in)
     from mmdet.apis import init_detector

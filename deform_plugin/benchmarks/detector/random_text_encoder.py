@@ -5,6 +5,10 @@ mmdet's Grounding-DINO builds its language model (``mmdet.models.language_models
 Hugging Face hub. A benchmark or a test on a machine without them gets :class:`RandomBertForTiming` instead (config
 type ``'RandomBertForTiming'``):
 
+Two modules: this one writes the vocabulary and edits configs (it imports neither mmdet nor transformers), and
+:mod:`.random_text_encoder_model` defines and registers the model classes when a config's ``custom_imports`` names
+it.
+
 - a ``transformers.BertModel`` built from a ``BertConfig`` of bert-base-uncased's shape (12 layers, hidden size 768,
   12 heads, FFN 3072, vocabulary 30522), its weights drawn by Hugging Face's own initialisation;
 - a ``BertTokenizerFast`` over a WordPiece vocabulary written at run time (:func:`write_wordpiece_vocab`): BERT's
@@ -17,8 +21,8 @@ outputs mean nothing: detections and losses of a model that uses it are no measu
 the real model's but for the token counts, which follow the generated vocabulary (each class-name word one token;
 bert-base-uncased splits a few rare words into two or three).
 
-This module lives beside the benchmarks so that stock rows (processes that never import deform_plugin itself, see
-:mod:`deform_plugin.benchmarks.stock_process`) can import it through ``custom_imports`` as well.
+Both live beside the benchmarks so that stock rows (processes that never import deform_plugin itself, see
+:mod:`deform_plugin.benchmarks.stock_process`) can import the model module through ``custom_imports`` as well.
 """
 from __future__ import annotations
 
@@ -27,15 +31,13 @@ import os
 import re
 import string
 import tempfile
-from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
-from torch import nn
-
 RANDOM_TEXT_ENCODER = "RandomBertForTiming"
 TIMING_ONLY_LABEL = "random text encoder, for timing only"
-MODULE = __name__
+# The module that registers the class (imported through a config's custom_imports); this one only edits configs.
+MODULE = "deform_plugin.benchmarks.detector.random_text_encoder_model"
 # bert-base-uncased's config.json, the sizes that set the work per step.
 BERT_BASE_SHAPE = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                        intermediate_size=3072, hidden_act="gelu", max_position_embeddings=512, type_vocab_size=2,
@@ -86,82 +88,6 @@ def write_wordpiece_vocab(words: Iterable[str] = (), directory: Optional[os.Path
             file.write(text)
         os.replace(partial, path)
     return path
-
-
-def _register(cls):
-    from mmdet.registry import MODELS
-    return MODELS.register_module(name=cls.__name__, force=True)(cls)
-
-
-def _build_classes():
-    """The two classes, made when this module is imported with mmdet and transformers installed."""
-    from mmdet.models.language_models.bert import BertEncoder, BertModel
-    from mmengine.logging import print_log
-    from mmengine.model import BaseModel
-    from transformers import BertConfig, BertTokenizerFast
-    from transformers import BertModel as HuggingFaceBertModel
-
-    class RandomBertEncoderForTiming(BertEncoder):
-        """mmdet's ``BertEncoder`` around a randomly initialised ``transformers.BertModel`` of ``shape``."""
-
-        def __init__(self, shape: dict, add_pooling_layer: bool = False, num_layers_of_embedded: int = 1,
-                     use_checkpoint: bool = False):
-            nn.Module.__init__(self)  # mmdet's __init__ would download the weights
-            config = BertConfig(**shape)
-            config.gradient_checkpointing = use_checkpoint
-            self.model = HuggingFaceBertModel(config, add_pooling_layer=add_pooling_layer)
-            self.language_dim = config.hidden_size
-            self.num_layers_of_embedded = num_layers_of_embedded
-
-    class RandomBertForTiming(BertModel):
-        """Random text encoder, for timing only: mmdet's ``BertModel`` (same forward, same state-dict keys) on a
-        randomly initialised BERT of bert-base-uncased's shape and a generated WordPiece vocabulary (see the
-        module's documentation); nothing is downloaded.
-
-        Args:
-            vocab_words: texts whose words enter the vocabulary whole (the class names); any other lowercase ASCII
-                text is tokenized character by character.
-            shape: ``transformers.BertConfig`` fields over :data:`BERT_BASE_SHAPE` (tests use tiny sizes).
-            The other arguments are mmdet ``BertModel``'s.
-        """
-
-        def __init__(self, max_tokens: int = 256, pad_to_max: bool = True, use_sub_sentence_represent: bool = False,
-                     special_tokens_list: Optional[Sequence[str]] = None, add_pooling_layer: bool = False,
-                     num_layers_of_embedded: int = 1, use_checkpoint: bool = False,
-                     vocab_words: Sequence[str] = (), shape: Optional[dict] = None, **kwargs) -> None:
-            BaseModel.__init__(self, **kwargs)  # mmdet's __init__ would download the tokenizer
-            self.max_tokens = max_tokens
-            self.pad_to_max = pad_to_max
-            self.shape = dict(BERT_BASE_SHAPE, **(shape or {}))
-            vocab_file = write_wordpiece_vocab(vocab_words)
-            if len(vocabulary(vocab_words)) > self.shape["vocab_size"]:
-                raise ValueError(f"the generated vocabulary has {len(vocabulary(vocab_words))} tokens, more than the "
-                                 f"model's vocab_size {self.shape['vocab_size']}")
-            self.tokenizer = BertTokenizerFast(vocab_file=str(vocab_file), do_lower_case=True)
-            self.language_backbone = nn.Sequential(OrderedDict([("body", RandomBertEncoderForTiming(
-                self.shape, add_pooling_layer=add_pooling_layer, num_layers_of_embedded=num_layers_of_embedded,
-                use_checkpoint=use_checkpoint))]))
-            self.use_sub_sentence_represent = use_sub_sentence_represent
-            if use_sub_sentence_represent:
-                if special_tokens_list is None:
-                    raise ValueError("use_sub_sentence_represent needs special_tokens_list")
-                self.special_tokens = self.tokenizer.convert_tokens_to_ids(list(special_tokens_list))
-            print_log(f"deform_plugin: the language model is a {TIMING_ONLY_LABEL} ({RANDOM_TEXT_ENCODER}: "
-                      f"{self.shape['num_hidden_layers']} layers, hidden size {self.shape['hidden_size']}, random "
-                      f"weights, a generated vocabulary of {len(self.tokenizer)} tokens); its detections and losses "
-                      "measure nothing", logger="current", level=30)
-
-    return _register(RandomBertEncoderForTiming), _register(RandomBertForTiming)
-
-
-def _try_build_classes():
-    import importlib.util
-    if importlib.util.find_spec("mmdet") is None or importlib.util.find_spec("transformers") is None:
-        return None, None
-    return _build_classes()
-
-
-RandomBertEncoderForTiming, RandomBertForTiming = _try_build_classes()
 
 
 def language_model_config(cfg) -> Optional[dict]:

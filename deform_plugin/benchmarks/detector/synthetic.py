@@ -24,11 +24,22 @@ def detector_label_spaces(model) -> Dict[str, int]:
             getattr(model.roi_head, "with_mask", False)}
 
 
+def caption_classes(num_classes: int) -> Tuple[str, ...]:
+    """The class names a grounding detector's synthetic samples carry as their caption: COCO's for 80 classes
+    (what ``CocoDataset(return_classes=True)`` gives), else numbered names."""
+    if num_classes == 80:
+        from .coco_source import COCO_CATEGORIES
+        return tuple(name for _, name in COCO_CATEGORIES)
+    return tuple(f"object {index}" for index in range(num_classes))
+
+
 def make_batch(model, batch_size: int, height: int, width: int, num_gts: int, seed: int) -> dict:
     """A packed batch as mmdet's dataloader yields it: uint8 images and DetDataSamples with random targets.
 
     Boxes are random xyxy boxes of 5-50% of the image side; masks (MaskFormer-style models) fill each box's
-    inscribed ellipse; panoptic models also get a semantic map of stuff classes.
+    inscribed ellipse; panoptic models also get a semantic map of stuff classes; grounding detectors (those with a
+    language model) get the class names as their caption (``text``, ``custom_entities``), as Grounding-DINO's
+    training pipeline packs them.
     """
     import numpy as np
     from mmdet.structures import DetDataSample
@@ -52,6 +63,8 @@ def make_batch(model, batch_size: int, height: int, width: int, num_gts: int, se
         sample = DetDataSample(metainfo=dict(
             img_id=index, img_path="", ori_shape=(height, width), img_shape=(height, width),
             scale_factor=(1.0, 1.0), flip=False, flip_direction=None))
+        if getattr(model, "language_model", None) is not None:
+            sample.set_metainfo(dict(text=caption_classes(spaces["things"]), custom_entities=True))
         gt = InstanceData(bboxes=boxes, labels=labels)
         if spaces["masks"]:
             ys = np.arange(height)[:, None] + 0.5

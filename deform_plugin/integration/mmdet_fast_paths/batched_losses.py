@@ -419,13 +419,15 @@ def enable_batched_losses(head) -> bool:
     it has them already."""
     if not batchable_head(head):
         return False
-    return install_batched_losses(head, layer_losses, denoising_layer_losses if _stock_denoising_losses(head) else None)
+    # This module's functions, looked up at each call.
+    denoising = (lambda *args: denoising_layer_losses(*args)) if _stock_denoising_losses(head) else None
+    return install_batched_losses(head, None, denoising)
 
 
-def install_batched_losses(head, layer_losses_of, denoising_losses_of=None) -> bool:
-    """Make ``head``'s per-layer losses come from one pass (``layer_losses_of``, :func:`layer_losses`'s signature)
-    over the assignments solved ahead, and its denoising losses from ``denoising_losses_of`` where given; False if it
-    has them already."""
+def install_batched_losses(head, layer_losses_of=None, denoising_losses_of=None) -> bool:
+    """Make ``head``'s per-layer losses come from one pass (``layer_losses_of``, :func:`layer_losses`'s signature;
+    None: that function) over the assignments solved ahead, and its denoising losses from ``denoising_losses_of``
+    where given; False if it has them already."""
     if "prepare_layer_losses" in vars(head):
         return False
 

@@ -58,6 +58,7 @@ def test_the_fast_config_model_builds_offline_at_full_size():
     from mmengine.config import Config
 
     import deform_plugin  # noqa: F401  (our MSDA at mmdet's construction sites)
+    from deform_plugin.benchmarks.detector import random_text_encoder_model  # noqa: F401  (registers it)
     register_all_modules()
     cfg = Config.fromfile(str(FAST_GROUNDING_DINO), import_custom_modules=False)
     if importlib.util.find_spec("fairscale") is None:

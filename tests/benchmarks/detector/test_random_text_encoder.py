@@ -6,7 +6,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import deform_plugin  # noqa: E402,F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.benchmarks.detector import random_text_encoder as encoder  # noqa: E402
+from deform_plugin.benchmarks.detector import random_text_encoder_model  # noqa: E402,F401  (registers the model)
 
 
 @pytest.fixture
@@ -75,6 +77,7 @@ def test_config_rewrite_keeps_mmdets_options_and_imports_the_encoder():
     assert language_model.use_sub_sentence_represent and not language_model.pad_to_max
     assert "person" in language_model.vocab_words and len(language_model.vocab_words) == 80
     assert encoder.MODULE in cfg.custom_imports.imports and "deform_plugin" in cfg.custom_imports.imports
+    assert encoder.MODULE == random_text_encoder_model.__name__
 
 
 def test_auto_replaces_only_missing_weights_and_real_never(monkeypatch):
