@@ -12,7 +12,7 @@ TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, int
 CLASSES = ("person", "traffic light", "hot dog", "teddy bear", "hair drier")
 
 
-def small_grounding_dino_config():
+def small_grounding_dino_config(bert=TINY_BERT):
     """The repository's Grounding-DINO config with a ResNet-18, two encoder and decoder layers, 30 queries and a tiny
     random BERT; the contrastive scores scaled by 1/sqrt(256) ('auto') keep random-init logits in a range where
     float32 sums compare."""
@@ -21,7 +21,7 @@ def small_grounding_dino_config():
     from deform_plugin.benchmarks.detector.random_text_encoder import use_random_text_encoder
     cfg = Config.fromfile(str(REPO_ROOT / GROUNDING_DINO_CONFIG))
     cfg.train_dataloader.dataset.metainfo = dict(classes=CLASSES)
-    assert use_random_text_encoder(cfg, "random", shape=TINY_BERT)
+    assert use_random_text_encoder(cfg, "random", shape=bert)
     model = cfg.model
     model.backbone = dict(type="ResNet", depth=18, num_stages=4, out_indices=(1, 2, 3), frozen_stages=-1,
                           norm_cfg=dict(type="BN", requires_grad=True), norm_eval=False, style="pytorch")
@@ -35,15 +35,15 @@ def small_grounding_dino_config():
     return cfg
 
 
-def small_grounding_dino(seed=0):
-    """:func:`small_grounding_dino_config`'s model, initialised from ``seed``, in training mode (float32: DINO's
-    denoising queries are made in float32)."""
+def small_grounding_dino(seed=0, bert=TINY_BERT):
+    """:func:`small_grounding_dino_config`'s model (``bert``: the text encoder's ``BertConfig`` fields), initialised
+    from ``seed``, in training mode (float32: DINO's denoising queries are made in float32)."""
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
 
     from deform_plugin.benchmarks.detector import random_text_encoder_model  # noqa: F401  (registers it)
     register_all_modules()
-    cfg = small_grounding_dino_config()
+    cfg = small_grounding_dino_config(bert)
     torch.manual_seed(seed)
     model = MODELS.build(cfg.model)
     model.init_weights()

@@ -14,7 +14,8 @@ The captured region is the part of mmdet 3.3.0's ``loss`` that depends only on t
   from the outputs before the eager matching and losses. Detectors that keep DINO's ``forward_transformer`` but
   change its pieces (DDQ-DETR's ``pre_decoder``) capture backbone, neck and encoder only;
 - Mask2Former: backbone, pixel decoder and the masked-attention decoder with its class and mask predictions (its
-  forward ignores the image sizes); the point-sampled matching and losses run eagerly.
+  forward ignores the image sizes); the point-sampled matching and losses run eagerly;
+- Grounding-DINO: BERT (its masks made on the host) and DINO's region with the text: :mod:`.graphed_grounding`.
 
 Each image's size inside the padded batch reaches the region as a device tensor (its padding masks are made from
 it), so one capture serves every batch of the same padded shape: with ``ShapeBucketsHook`` a random-resize
@@ -93,9 +94,12 @@ def _pixels_and_image_sizes(batch_inputs, batch_data_samples):
 def _region_and_tail(detector) -> Optional[_GraphedLoss]:
     """The captured function of ``detector``, how its inputs are made and the eager rest of its loss; or None if it
     has none of the known shapes."""
-    from mmdet.models.detectors import MaskFormer
+    from mmdet.models.detectors import GroundingDINO, MaskFormer
     if isinstance(detector, MaskFormer):
         return _mask2former_region_and_tail(detector)
+    if isinstance(detector, GroundingDINO):
+        from .graphed_grounding import grounding_graphed_loss
+        return grounding_graphed_loss(detector)
     return _detr_region_and_tail(detector)
 
 

@@ -16,7 +16,8 @@ text mask) before mmdet's sigmoid focal loss. Matching uses ``BinaryFocalLossCos
   are stock's integers. The box losses and normalisers are :mod:`.batched_losses`'.
 - ``hungarian_host_syncs`` (:func:`grounding_targets_single_fewer_syncs`): the head's per-layer targets from the
   assignment's host copy, where a call is not batched.
-- ``sync_free_losses`` and ``cuda_graphs`` have no exact form here: :func:`grounding_refusals` says why, and
+- ``sync_free_losses`` has no exact form here, nor ``cuda_graphs`` while activation checkpointing is on
+  (:mod:`.graphed_grounding`): :func:`grounding_refusals` says why, and
   :func:`~deform_plugin.integration.mmdet_fast_paths.apply_fast_paths` refuses them.
 """
 from __future__ import annotations
@@ -39,11 +40,6 @@ GROUNDING_DINO_REFUSALS = {
     "sync_free_losses": "GroundingDINOHead's own per-layer loss selects the caption's tokens with masked_select, "
                         "whose output size is read from the device, and has no sync-free copy here; batched_losses "
                         "computes every layer's loss without host syncs instead",
-    "cuda_graphs": "the training forward starts with the BERT text encoder, whose sub-sentence attention masks mmdet "
-                   "builds with a device-side nonzero and a Python loop over its result (reads of the device that a "
-                   "capture cannot make), and the config's activation checkpointing (Swin's with_cp, the encoder's "
-                   "fairscale num_cp) is reentrant, which the captured torch.autograd.grad backward refuses; no "
-                   "Grounding-DINO region is built",
 }
 
 
@@ -53,10 +49,20 @@ def _grounding_heads(model: nn.Module):
 
 
 def grounding_refusals(model: nn.Module, selected) -> Dict[str, str]:
-    """For each switch of ``selected`` that has no exact form for a Grounding-DINO head of ``model``, why."""
+    """For each switch of ``selected`` that has no exact form for a Grounding-DINO head of ``model`` (``cuda_graphs``:
+    for this detector as configured, :func:`.graphed_grounding.graph_blockers`), why."""
+    from mmdet.models.detectors import GroundingDINO
     if not _grounding_heads(model):
         return {}
-    return {name: reason for name, reason in GROUNDING_DINO_REFUSALS.items() if name in selected}
+    refusals = {name: reason for name, reason in GROUNDING_DINO_REFUSALS.items() if name in selected}
+    if "cuda_graphs" in selected:
+        from .graphed_grounding import graph_blockers
+        blockers = [reason for module in model.modules() if isinstance(module, GroundingDINO)
+                    for reason in graph_blockers(module)]
+        if blockers:
+            refusals["cuda_graphs"] = ("the captured backward (torch.autograd.grad) cannot run it: "
+                                       + "; ".join(blockers))
+    return refusals
 
 
 def stock_grounding_head(head) -> bool:

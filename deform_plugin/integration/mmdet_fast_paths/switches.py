@@ -34,7 +34,7 @@ class FastPaths:
             from the assignments solved ahead, DINO's denoising losses in one pass as well; needs
             ``batched_matching``.
         cuda_graphs: the network's training forward and backward replayed from CUDA graphs, one pair per input
-            shape; needs ``sync_free_forward``.
+            shape (Deformable-DETR, DINO, Grounding-DINO with its BERT, Mask2Former); needs ``sync_free_forward``.
         relu_dropout_fusion: mmcv ``FFN``'s ReLU and dropout keep one activation for backward instead of three
             (less memory; the same outputs, random draws and gradients).
         ffn_recompute: mmcv ``FFN`` modules without dropout keep only their input and recompute their hidden layer in

@@ -41,29 +41,30 @@ def test_the_fast_config_builds_with_its_switches_and_the_hook_takes_them():
     cfg = Config.fromfile(str(FAST_GROUNDING_DINO), import_custom_modules=False)
     assert fast_path_switches_from_config(cfg) == dict(sdpa_attention=True, batched_matching=True,
                                                        batched_losses=True, sync_free_forward=True,
-                                                       ffn_recompute=True)
+                                                       cuda_graphs=True, ffn_recompute=True)
     assert cfg.optim_wrapper.constructor == "MergedParamGroupsOptimWrapperConstructor"
     assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel")
-    assert [hook["type"] for hook in cfg.custom_hooks] == ["FastPathsHook"]
+    assert [hook["type"] for hook in cfg.custom_hooks] == ["FastPathsHook", "ShapeBucketsHook"]
+    # Checkpointing off (the captured backward cannot run it), the preprocessor's non-blocking copy kept.
+    assert not cfg.model.backbone.with_cp and cfg.model.encoder.num_cp == 0
+    assert cfg.model.data_preprocessor.non_blocking and cfg.model.data_preprocessor.type == "DetDataPreprocessor"
     HOOKS.build(cfg.custom_hooks[0])
     assert random_text_encoder.use_random_text_encoder(cfg, "random")
     assert cfg.model.language_model.type == random_text_encoder.RANDOM_TEXT_ENCODER
 
 
 def test_the_fast_config_model_builds_offline_at_full_size():
-    import importlib.util
-
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
     from mmengine.config import Config
 
     import deform_plugin  # noqa: F401  (our MSDA at mmdet's construction sites)
     from deform_plugin.benchmarks.detector import random_text_encoder_model  # noqa: F401  (registers it)
+    from deform_plugin.integration.mmdet_fast_paths.graphed_grounding import graph_blockers
     register_all_modules()
     cfg = Config.fromfile(str(FAST_GROUNDING_DINO), import_custom_modules=False)
-    if importlib.util.find_spec("fairscale") is None:
-        cfg.model.encoder.num_cp = 0  # the encoder's activation checkpointing needs fairscale
     assert random_text_encoder.use_random_text_encoder(cfg, "random")
     model = MODELS.build(cfg.model)
+    assert graph_blockers(model) == []  # no checkpointing, mmdet's own pieces: cuda_graphs takes it
     assert model.language_model.language_backbone.body.language_dim == 768
     assert sum(p.numel() for p in model.parameters()) > 150_000_000  # Swin-T, BERT-base and the transformer

@@ -1,5 +1,5 @@
 """Grounding-DINO under its fast config's switches: the stock losses and gradients, every layer's text-conditioned
-loss in one pass, and the switches without an exact form refused by name."""
+loss in one pass, and sync_free_losses, which has no exact form, refused by name."""
 import copy
 
 import pytest
@@ -14,12 +14,14 @@ small_grounding_dino = pytest.importorskip("small_grounding_dino")
 
 
 def _fast_config_switches():
+    """The fast config's switches but cuda_graphs: its region draws the denoising noise before the random layers run
+    (test_graphed_grounding.py compares it without them)."""
     from mmengine.config import Config
 
     from deform_plugin.engine import fast_path_switches_from_config
     cfg = Config.fromfile(str(small_grounding_dino.REPO_ROOT / small_grounding_dino.FAST_CONFIG),
                           import_custom_modules=False)
-    return {name: on for name, on in fast_path_switches_from_config(cfg).items() if on}
+    return {name: on for name, on in fast_path_switches_from_config(cfg).items() if on and name != "cuda_graphs"}
 
 
 def _losses_and_gradients(model, batch):
@@ -66,12 +68,31 @@ def test_fast_config_gives_the_stock_losses_and_gradients(stock_and_fast):
     assert fast_model.bbox_head.losses_ahead == {}  # nothing outlives the step
 
 
-@pytest.mark.parametrize("switch", ["sync_free_losses", "cuda_graphs"])
-def test_switches_without_an_exact_form_are_refused_by_name(stock_and_fast, switch):
-    model = copy.deepcopy(stock_and_fast[0])
-    with pytest.raises(ValueError, match=f"fast path {switch} has no exact form for GroundingDINO: .*turn it off"):
-        apply_fast_paths(model, **{switch: True})
-    assert "loss_by_feat" not in vars(model.bbox_head)  # refused before anything changed
+def test_matching_with_host_syncs_alone_keeps_the_per_layer_losses(stock_and_fast):
+    # Without batched_losses the head's own per-layer loss runs, on the targets of the host assignment.
+    stock_model = stock_and_fast[0]
+    model = copy.deepcopy(stock_model)
+    apply_fast_paths(model, batched_matching=True)
+    assert "_get_targets_single" in vars(model.bbox_head) and "prepare_layer_losses" not in vars(model.bbox_head)
+    batch = small_grounding_dino.grounding_batch(stock_model, (3, 1), seed=5)
+    stock, _ = _losses_and_gradients(stock_model, batch)
+    fast, _ = _losses_and_gradients(model, batch)
+    for name in stock:
+        torch.testing.assert_close(fast[name], stock[name], rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_sync_free_losses_is_refused_by_name(stock_and_fast):
+    from deform_plugin.engine import FastPathsHook
+
+    class Runner:
+        model = copy.deepcopy(stock_and_fast[0])
+        hooks = ()
+
+    hook = FastPathsHook(precompile_triton=False, sdpa_attention=True, sync_free_losses=True)
+    with pytest.raises(ValueError, match="fast path sync_free_losses has no exact form for GroundingDINO: "
+                                         ".*masked_select.*turn it off"):
+        hook.before_run(Runner)
+    assert "loss_by_feat" not in vars(Runner.model.bbox_head)  # refused before anything changed
 
 
 def test_detr_batched_losses_leave_a_text_conditioned_head_alone(stock_and_fast):
