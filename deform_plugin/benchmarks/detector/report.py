@@ -117,7 +117,10 @@ def format_table(results: List[dict], info: dict) -> str:
     for config, rows in _by_config(results).items():
         shape = rows[0].get("shape")
         shape_text = f", shape {shape[0]}x{shape[1]}" if shape else ""
-        lines += ["", f"config: {config} (baseline: {rows[0]['row']}{shape_text})", _timing_table(rows)]
+        text_encoder = next((r["text_encoder"] for r in rows if r.get("text_encoder")), None)
+        text_encoder_text = f"; language model: {text_encoder}" if text_encoder else ""
+        lines += ["", f"config: {config} (baseline: {rows[0]['row']}{shape_text}{text_encoder_text})",
+                  _timing_table(rows)]
         variable = _variable_table(rows)
         if variable:
             lines += ["", variable]

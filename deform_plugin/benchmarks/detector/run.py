@@ -22,6 +22,7 @@ from deform_plugin.benchmarks.detector.configs import (default_shape, drop_pretr
                                                        optim_wrapper_config, read_config, resolve_fast_paths,
                                                        runner_logging, shape_problems, short_config_name)
 from deform_plugin.benchmarks.detector.profiling import profile_lines, profile_training
+from deform_plugin.benchmarks.detector.random_text_encoder import RANDOM_TEXT_ENCODER, TIMING_ONLY_LABEL
 from deform_plugin.benchmarks.detector.report import add_speedups, format_table, write_outputs
 from deform_plugin.benchmarks.detector.rows import BACKEND_CHOICES, MODE_CHOICES, Row, build_rows, parse_row, row_result
 from deform_plugin.benchmarks.detector.synthetic import make_batch, make_variable_batches
@@ -113,6 +114,9 @@ def run_row_in_process(config_path: str, row: Row, args, shape: Tuple[int, int])
     if not row.plugin:
         prepare_stock_process(device)
     cfg = load_config(config_path, args.cfg_options, plugin=row.plugin)
+    language_model = cfg.model.get("language_model") or {}
+    if language_model.get("type") == RANDOM_TEXT_ENCODER:
+        result["text_encoder"] = TIMING_ONLY_LABEL
     speedups = resolve_fast_paths(cfg, row)
     if row.plugin:
         from deform_plugin.ops import set_default_backend

@@ -16,8 +16,9 @@ instances of one model only; each is exact (see its module):
   likewise (:mod:`.grounding_dino_losses`, which also says which switches have no exact form for it: those are
   refused);
 - ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs;
-- ``cuda_graphs`` (:mod:`.graphed_training`): their training forward and backward replayed from CUDA graphs, one
-  pair per input shape (needs the sync-free forward: turns it on too); under DistributedDataParallel the DETRs'
+- ``cuda_graphs`` (:mod:`.graphed_training`; Grounding-DINO's, BERT included: :mod:`.graphed_grounding`): their
+  training forward and backward replayed from CUDA graphs, one pair per input shape (needs the sync-free forward:
+  turns it on too); under DistributedDataParallel the DETRs'
   backbone and neck are captured as a region of their own, so that the other gradients are all-reduced while the
   backbone's backward replays (``split_graphs_at_features``); elsewhere the regions write the gradients into
   ``gradient_slots``;
