@@ -77,6 +77,20 @@ def test_on_a_cpu_fast_inference_gives_the_eager_detections():
         assert torch.equal(ours["labels"], theirs["labels"])
 
 
+def test_on_a_cpu_fast_inference_keeps_the_cpu_threads():
+    # The threads do the model's work there; only a GPU model's process gets fewer.
+    threads = torch.get_num_threads()
+    changed = enable_fast_inference(_small_detector("dino"), cpu_threads=1)
+    assert torch.get_num_threads() == threads and "cpu_threads" not in changed
+
+
+def test_a_bad_cpu_thread_count_is_refused_before_anything_changes():
+    detector = _small_detector("dino")
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer or None, got 0"):
+        enable_fast_inference(detector, cpu_threads=0)
+    assert "predict" not in vars(detector)  # no graph-replayed predict put in place
+
+
 def test_a_detector_without_graph_inference_is_refused():
     with pytest.raises(TypeError, match="Linear has no graph inference"):
         GraphInference(torch.nn.Linear(2, 2))
