@@ -35,10 +35,12 @@
 #             without ShapeBucketsHook), Deformable-DETR and DINO, 3 seeds, every run at once over the host's GPUs,
 #             ending before the phase's deadline; the report (md, json, csv, one PNG per config) goes straight to
 #             OUT. PARITY_ROWS, PARITY_ITERS (default auto: as many as fit) and PARITY_ARGS adjust it.
+#   multinode tools/dist_train.sh as two nodes on this host, one GPU each over NCCL (tests/tools/test_two_nodes.py,
+#             its cuda-nccl variant; two GPUs), and its CPU variant over gloo.
 # Every phase but wheelhouse needs .whl, made by the wheelhouse phase and copied to the host with the tree. Results
 # go to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash tools/gpu_session.sh wheelhouse|tests|train|ops|scale|borrow|profile|build|sizes|memory|parity [OUT]}
+phase=${1:?usage: bash tools/gpu_session.sh wheelhouse|tests|train|ops|scale|borrow|profile|build|sizes|memory|parity|multinode [OUT]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 
@@ -298,6 +300,12 @@ memory)
       --rows stock:fp32 triton:bf16:$exact triton:bf16:$exact+ffn --warmup 5 --steps 20 --inference-steps 0 \
       --no-progress --out-dir "$results" --name memory > "$results/memory.log" 2>&1
   tail -24 "$results/memory.log"
+  ;;
+multinode)
+  # tools/dist_train.sh as two nodes on this host (tests/tools/test_two_nodes.py): one GPU per node, NCCL over TCP
+  # sockets (the variant needs two GPUs), and CPU ranks over gloo.
+  with_lite timeout $(( $(left) - 10 )) python3 -m pytest -v -rfEs -p no:cacheprovider tests/tools/test_two_nodes.py \
+      2>&1 | tee "$results/two_nodes.log" | tail -25
   ;;
 parity)
   wait_for_mmcv
