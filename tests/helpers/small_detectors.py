@@ -6,6 +6,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DETECTOR_CONFIGS = {
+    "deformable-detr": "configs/deformable_detr/deformable-detr_r50_16xb2-50e_coco_deform-plugin.py",
+    "deformable-detr-refine": "configs/deformable_detr/deformable-detr-refine_r50_16xb2-50e_coco_deform-plugin.py",
     "deformable-detr-two-stage":
         "configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py",
     "dino": "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py",

@@ -1,8 +1,8 @@
 """Graph-replayed training of the detectors gives the eager step's losses and gradients.
 
-- on the CPU, the captured region of Deformable-DETR two-stage, DINO (padding masks from a device tensor of image
-  sizes; DINO's denoising queries padded to a fixed count) and Mask2Former, run eagerly and replayed from emulated
-  graphs, gives the stock ``loss`` to float64 rounding (Mask2Former: float32), dropout included;
+- on the CPU, the captured region of Deformable-DETR (plain and two-stage), DINO (padding masks from a device tensor
+  of image sizes; DINO's denoising queries padded to a fixed count) and Mask2Former, run eagerly and replayed from
+  emulated graphs, gives the stock ``loss`` to float64 rounding (Mask2Former: float32), dropout included;
 - on a GPU, real CUDA graphs: losses and gradients over optimizer steps and two input shapes equal eager.
 """
 import copy
@@ -53,18 +53,30 @@ def _loss_and_grads(detector, inputs, samples, seed=3):
 
 
 # mmdet's Mask2Former losses compare float32 ground-truth masks with points of the default dtype: float64 fails in
-# stock mmdet. The other two run in float64.
-_TEST_DTYPES = {"deformable-detr-two-stage": torch.float64, "dino": torch.float64, "mask2former": torch.float32}
+# stock mmdet. The DETRs run in float64.
+_TEST_DTYPES = dict.fromkeys(DETECTOR_CONFIGS, torch.float64) | {"mask2former": torch.float32}
 # Fewer layers than the configs' (see small_detector): the DETRs keep two encoder and two decoder layers, so that a
 # layer runs on what another hands it (the refined reference points); Mask2Former one pixel-decoder layer and one round
 # of three transformer-decoder layers over its feature levels (each on the masks of the one before). Narrow FFNs
 # (256 channels): the fused and the recomputed FFNs run the same code at any width.
-_TEST_LAYERS = {"deformable-detr-two-stage": 2, "dino": 2, "mask2former": 1}
+_TEST_LAYERS = dict.fromkeys(DETECTOR_CONFIGS, 2) | {"mask2former": 1}
+# (padded height, each image's size) of the batches (160 px wide). Same padded shape, other image sizes: the first
+# call runs the region eagerly (the warm-up), the second captures, all replay after; then another padded shape,
+# captured at its first call. (Small images: the two-stage encoders still have more tokens, 376 to 426, than their
+# top-k takes queries, 100.)
+_BATCHES = [(128, ((128, 160), (112, 136))), (128, ((96, 160), (128, 80))), (128, ((128, 120), (128, 160))),
+            (112, ((112, 160), (84, 124)))]
+# Plain Deformable-DETR differs from the two-stage variant in its region's pieces only: no proposals (the queries'
+# reference points come from their embeddings), one class and box branch registered under every decoder layer's
+# name: the warm-up and a first-call capture of another shape. The refine variant has nothing of its own (its
+# branches are two-stage's, its decoder plain's): the GPU test below runs it.
+_SHORT_RUNS = {"deformable-detr": [0, 3]}
+_CPU_REPLAY_DETECTORS = [name for name in DETECTOR_CONFIGS if name != "deformable-detr-refine"]
 
 
 # DINO also with its backbone and neck graphed as a region of their own, as the DETRs run under DDP (DINO's region
 # takes the most inputs; Deformable-DETR's passes the features the same way). Mask2Former keeps one region.
-@pytest.mark.parametrize("name,split", [(name, False) for name in DETECTOR_CONFIGS] + [("dino", True)])
+@pytest.mark.parametrize("name,split", [(name, False) for name in _CPU_REPLAY_DETECTORS] + [("dino", True)])
 def test_replays_give_the_stock_losses_and_gradients_for_other_image_sizes(name, split):
     dtype = _TEST_DTYPES[name]
     previous = torch.get_default_dtype()
@@ -87,8 +99,10 @@ def _check_replays_against_stock(name, dtype, split):
                                relu_dropout_fusion=True, ffn_recompute=True, split_graphs_at_features=split,
                                capture_policy=CapturePolicy(capture_after=1))
     assert changed["cuda_graphs"] == 1 and changed["sync_free_forward"] == 1  # the detector or the pixel decoder
-    assert changed["relu_dropout_fusion"] == (2 * layers if name == "deformable-detr-two-stage" else 0)
-    assert (changed["ffn_recompute"] > 0) == (name != "deformable-detr-two-stage")
+    # Deformable-DETR's FFNs draw dropout (fused), DINO's and Mask2Former's do not (recomputed).
+    deformable_detr = name.startswith("deformable-detr")
+    assert changed["relu_dropout_fusion"] == (2 * layers if deformable_detr else 0)
+    assert (changed["ffn_recompute"] > 0) == (not deformable_detr)
     assert changed.get("batched_matching", 1) == 1
     region = fast.graphed_training_region
     regions = fast.graphed_training_regions
@@ -105,11 +119,8 @@ def _check_replays_against_stock(name, dtype, split):
     # float32: the same kernels on the same values, up to the order of gradient accumulation.
     loss_tolerance, grad_tolerance = (dict(rtol=1e-10, atol=1e-12), dict(rtol=1e-8, atol=1e-10)) if (
         dtype == torch.float64) else (dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6))
-    # Same padded shape, other image sizes: the first call runs the region eagerly (the warm-up), the second
-    # captures, all replay after; then another padded shape, captured at its first call. (Small images: the two-stage
-    # encoders still have more tokens, 376 to 426, than their top-k takes queries, 100.)
-    for height, sizes in [(128, ((128, 160), (112, 136))), (128, ((96, 160), (128, 80))),
-                          (128, ((128, 120), (128, 160))), (112, ((112, 160), (84, 124)))]:
+    batches = [_BATCHES[index] for index in _SHORT_RUNS.get(name, range(len(_BATCHES)))]
+    for height, sizes in batches:
         inputs, samples = _training_batch(height=height, width=160, sizes=sizes, seed=len(sizes[0]) + sizes[1][0],
                                           dtype=dtype)
         expected, expected_grads = _loss_and_grads(stock, inputs, samples)
@@ -119,8 +130,9 @@ def _check_replays_against_stock(name, dtype, split):
         for ours, theirs in zip(got_grads, expected_grads):
             if theirs is not None:
                 torch.testing.assert_close(ours, theirs, **grad_tolerance)
+    expected_counts = (1, 1, 1, 1) if name in _SHORT_RUNS else (1, 3, 2, 1)
     for each in regions:
-        assert (each.eager_calls, each.replays, len(each.captured), each.first_call_captures) == (1, 3, 2, 1)
+        assert (each.eager_calls, each.replays, len(each.captured), each.first_call_captures) == expected_counts
 
 
 @pytest.mark.parametrize("max_num_target", [0, 1, 3, 7, 25])
