@@ -8,8 +8,10 @@ map) waits per image, each draining the GPU's queue.
 
 Here the stuff classes of every image of the batch are found on the device in one pass (which of the stuff classes
 each image's map holds), copied to pinned host memory without blocking, and read once an event says the copy is
-done. With ``cuda_graphs`` the copy is queued before the graphed network's forward (the region's inputs call
-:func:`copy_stuff_classes_ahead`), so the host waits for that copy alone, not for the forward. The thing masks go to
+done: the host waits for the work queued before that copy, not for what comes after it. With ``cuda_graphs`` the
+copy is queued before the graphed network's forward (the region's inputs call :func:`copy_stuff_classes_ahead`), so
+the host waits for the batch's own copy to the device and the flags, not for the forward; run eagerly after the
+forward, the one wait replaces mmdet's many. The thing masks go to
 the device from pinned memory without blocking. The same labels, masks, dtypes and order as mmdet's: things, then
 the stuff classes in ascending order, as ``torch.unique`` returns them.
 """
