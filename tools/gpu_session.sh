@@ -6,7 +6,8 @@
 #
 # PHASE:
 #   wheelhouse  not on the GPU host: the wheels (CPython 3.12, manylinux x86_64) of mmengine, mmdet, mmcv-lite and
-#             their small dependencies, and mmcv's source (for the stock baseline's build), into .whl (or OUT);
+#             their small dependencies (panopticapi-lite: the panoptic configs' data loading), and mmcv's source
+#             (for the stock baseline's build), into .whl (or OUT);
 #             the host has Python 3.12, torch, triton, numpy, scipy and opencv, and no way to download the rest.
 #   tests     mmcv's CUDA ops start building in the background (the stock baseline, into the system site); the GPU
 #             tests run meanwhile on mmcv-lite; then (after the tests, on a one-GPU host) the MSDA entry benchmark
@@ -54,7 +55,7 @@ make_wheelhouse() {  # DEST: everything install_wheels and build_mmcv read on th
   done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       "${platforms[@]}" -d "$dest" mmengine==0.10.7 mmdet==3.3.0 mmcv-lite==2.1.0 addict yapf platformdirs termcolor \
-      terminaltables pycocotools shapely
+      terminaltables pycocotools shapely panopticapi-lite==0.2.0
   # mmcv's source distribution: preparing its metadata imports pkg_resources, which setuptools 82 removed, so a
   # throwaway environment with an older setuptools fetches it.
   tmp=$(mktemp -d)
@@ -139,8 +140,11 @@ second_gpu=$(( gpus > 1 ? 1 : 0 ))
 
 declare -A config_of=(
   [ddetr]=configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py
+  [ddetr-plain]=configs/fast/deformable-detr_r50_16xb2-50e_coco_deform-plugin-fast.py
+  [ddetr-refine]=configs/fast/deformable-detr-refine_r50_16xb2-50e_coco_deform-plugin-fast.py
   [dino]=configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py
-  [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py)
+  [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py
+  [mask2former-panoptic]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin-fast.py)
 
 install_wheels
 case "$phase" in
@@ -167,7 +171,8 @@ tests)
   wait $tests_pid
   ;;
 train)
-  # TRAIN_CONFIGS picks the configs (default all three) and INFERENCE=0 skips the batch-1 inference rows, so that
+  # TRAIN_CONFIGS picks the configs (default ddetr dino mask2former; also ddetr-plain, ddetr-refine and
+  # mask2former-panoptic) and INFERENCE=0 skips the batch-1 inference rows, so that
   # one GPU can run the phase in pieces of under 10 minutes; TRAIN_ITERS (default 100) lengthens the runs.
   wait_for_mmcv
   rows="stock:fp32 ours:bf16:cold ours:bf16 ours:bf16:no-buckets ours:fp32:no-buckets ours:fp32"

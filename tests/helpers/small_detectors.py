@@ -6,10 +6,15 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DETECTOR_CONFIGS = {
+    "deformable-detr": "configs/deformable_detr/deformable-detr_r50_16xb2-50e_coco_deform-plugin.py",
+    "deformable-detr-refine": "configs/deformable_detr/deformable-detr-refine_r50_16xb2-50e_coco_deform-plugin.py",
     "deformable-detr-two-stage":
         "configs/deformable_detr/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin.py",
     "dino": "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py",
-    "mask2former": "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py"}
+    "mask2former": "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py",
+    "mask2former-panoptic": "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin.py"}
+# The panoptic detector's label space, shrunk: a handful of thing and stuff classes (80 and 53 in the config).
+PANOPTIC_THINGS, PANOPTIC_STUFF = 5, 3
 
 
 def small_detector(name, dtype=torch.float64, layers=None, feedforward_channels=None):
@@ -26,13 +31,17 @@ def small_detector(name, dtype=torch.float64, layers=None, feedforward_channels=
     # A ResNet-18, fewer queries (and sampled points) keep the float64 CPU steps short; the captured pieces are the
     # same.
     cfg.model.backbone.depth = 18
-    if name == "mask2former":
+    if name.startswith("mask2former"):
         head = cfg.model.panoptic_head
         head.in_channels = [64, 128, 256, 512]
         head.num_queries = 20
         cfg.model.train_cfg.num_points = 256
         encoder, decoder = head.pixel_decoder.encoder, head.transformer_decoder
         decoder_layers = None if layers is None else 3 * layers
+        if name == "mask2former-panoptic":
+            for part in (head, cfg.model.panoptic_fusion_head):
+                part.num_things_classes, part.num_stuff_classes = PANOPTIC_THINGS, PANOPTIC_STUFF
+            head.loss_cls.class_weight = [1.0] * (PANOPTIC_THINGS + PANOPTIC_STUFF) + [0.1]
     else:
         cfg.model.neck.in_channels = [128, 256, 512]
         cfg.model.num_queries = 100

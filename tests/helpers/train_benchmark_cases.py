@@ -7,10 +7,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST_DDETR = REPO_ROOT / "configs" / "fast" / "deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py"
 FAST_MASK2FORMER = REPO_ROOT / "configs" / "fast" / "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py"
 PANOPTIC = REPO_ROOT / "configs" / "mask2former" / "mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin.py"
+FAST_PANOPTIC = REPO_ROOT / "configs" / "fast" / "mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin-fast.py"
 # Stock mmdet and deform_plugin both train it in seconds on the CPU.
 TINY_COCO_CONFIG = (REPO_ROOT / "tests" / "benchmarks" / "detector" / "configs"
                     / "deformable-detr-refine_r18_tiny_1xb2_coco-format.py")
 SOURCE_IMAGES = 24
+PANOPTIC_SOURCE_IMAGES = 6
 
 
 def merged_overlay(tmp_path: Path, config: Path, row_text: str, source, settings=None):

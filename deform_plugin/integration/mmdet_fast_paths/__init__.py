@@ -8,8 +8,8 @@ instances of one model only; each is exact (see its module):
 
 - ``sdpa_attention`` (:mod:`.sdpa_attention`): attention bricks through PyTorch SDPA;
 - ``hungarian_host_syncs`` (:mod:`.matching`) and ``batched_matching`` (:mod:`.batched_matching`): matching with
-  fewer syncs, and all of a step's matching in one pass (for Mask2Former, with its losses made sync-free:
-  :mod:`.mask2former_losses`);
+  fewer syncs, and all of a step's matching in one pass (for Mask2Former, with its losses and its ground truth,
+  panoptic stuff classes included, made sync-free: :mod:`.mask2former_losses`, :mod:`.mask2former_targets`);
 - ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
 - ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass, DINO's denoising losses too
   (needs the matching solved ahead: turns ``batched_matching`` on too);

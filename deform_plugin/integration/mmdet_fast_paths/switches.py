@@ -26,7 +26,7 @@ class FastPaths:
             without blocking; DETR-family heads take their positive/negative query indices from that host copy
             instead of two ``nonzero()`` syncs.
         batched_matching: every decoder layer's matching of a step in one cost pass and one copy to the host (for
-            Mask2Former with its losses made sync-free); needs ``hungarian_host_syncs``.
+            Mask2Former with its losses and ground truth made sync-free); needs ``hungarian_host_syncs``.
         sync_free_losses: the DETR heads' per-layer loss normalisers without host syncs.
         sync_free_forward: Deformable-DETR's, DINO's and Mask2Former's forward without host syncs (level tables
             made on the host, the host's sizes walked instead of the device's).

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from detr_heads import detr_head, detr_loss_inputs, losses_and_gradients
+from detr_heads import DEFORMABLE_DETR_KINDS, detr_head, detr_loss_inputs, losses_and_gradients
 from gloo_ranks import run_gloo_ranks
 from torch import nn
 
@@ -16,7 +16,7 @@ _DETR_DDP_SWITCHES = {"sync-free-losses": dict(sync_free_losses=True),
                       "batched-losses": dict(sync_free_losses=True, batched_losses=True)}
 
 
-_DETR_KINDS = ("deformable-detr-two-stage", "dino")
+_DETR_KINDS = (*DEFORMABLE_DETR_KINDS, "dino")
 
 
 def _detr_ddp_worker(rank, out_dir):
