@@ -15,8 +15,8 @@ host (:func:`dense_losses`). Every element is computed by the formula stock comp
 same kernels see the same values); the per-image and per-set sums run over other layouts, and the normalisers stay
 on the device where stock reads them with ``.item()``: the same losses up to float summation order.
 
-Under autocast, where mmdet's quality focal loss cannot run (PyTorch refuses ``binary_cross_entropy`` in autocast
-regions), the loss is computed as in float32 training: in float32, outside autocast.
+Where mmdet's quality focal loss cannot run (bf16 or fp16 probabilities against its float32 targets; CUDA autocast,
+which refuses ``binary_cross_entropy``), the loss is computed as in float32 training: in float32, outside autocast.
 """
 from __future__ import annotations
 

@@ -82,3 +82,16 @@ def test_heads_this_pass_does_not_reproduce_are_left_alone(change):
     holder = nn.Module()
     holder.bbox_head = head
     assert enable_ddq_one_pass_losses(holder) == 0 and "loss" not in vars(head)
+
+
+def test_matching_in_one_pass_alone_leaves_ddqs_head_alone_and_says_so(monkeypatch):
+    # DDQ's one pass computes the losses from the matching it solves: batched_matching alone has nothing to hand it.
+    from deform_plugin.integration import mmdet_fast_paths
+    notes = []
+    monkeypatch.setattr(mmdet_fast_paths, "print_log", lambda message, logger, level: notes.append(message))
+    holder = nn.Module()
+    holder.bbox_head = ddq_head()
+    assert apply_fast_paths(holder, batched_matching=True) == {"hungarian_host_syncs": 1, "batched_matching": 0}
+    assert "loss" not in vars(holder.bbox_head)
+    assert len(notes) == 1 and notes[0].startswith("deform_plugin: fast path batched_matching changes nothing in ")
+    assert "DDQ-DETR heads (only with batched_losses" in notes[0]
