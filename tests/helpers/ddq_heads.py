@@ -5,6 +5,9 @@ import types
 import torch
 
 NUM_CLASSES, EMBED_DIMS, NUM_HEADS = 5, 32, 2
+# For a head of three decoder layers and ten distinct queries: the queries that the NMS before layers 1 and 2 kept,
+# per image. Row 0 of stock's mask reads "every query" where query 0 was kept (image 1 at layer 1).
+KEPT_BY_THE_NMS = [[[1, 2, 5, 7, 9], [0, 3, 4], [2, 3, 4, 5, 6, 8]], [[1, 5, 9], [1, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9]]]
 
 
 @contextlib.contextmanager
@@ -50,6 +53,22 @@ def ddq_head(num_layers=3, num_dense=12, aux_num_pos=4):
     head.init_weights()
     head.cache_dict = dict(num_heads=NUM_HEADS, num_dense_queries=num_dense, distinct_query_mask=[])
     return head.double().train()
+
+
+def stock_and_one_pass_heads():
+    """A :func:`ddq_head` and its copy with the one-pass losses (``batched_losses``), sharing the detector's
+    ``cache_dict``; and what ``apply_fast_paths`` changed."""
+    import copy
+
+    from torch import nn
+
+    from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+    stock = ddq_head()
+    fast = copy.deepcopy(stock)
+    fast.cache_dict = stock.cache_dict  # one dict shared by every module of a detector
+    holder = nn.Module()
+    holder.bbox_head = fast
+    return stock, fast, apply_fast_paths(holder, batched_losses=True)
 
 
 def ddq_loss_inputs(head, num_gts_per_image, kept_per_layer, num_queries=10, seed=0):

@@ -1,18 +1,13 @@
 """DDQ-DETR's losses in one pass (batched_losses on a DDQDETRHead) give the stock head's losses and gradients, and
 copy to the host once."""
-import copy
-
 import pytest
 import torch
-from ddq_heads import ddq_head, ddq_in_float64, ddq_loss_inputs, ddq_losses_and_gradients
+from ddq_heads import (KEPT_BY_THE_NMS, ddq_head, ddq_in_float64, ddq_loss_inputs, ddq_losses_and_gradients,
+                       stock_and_one_pass_heads)
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
-
-# Three decoder layers, ten distinct and twelve dense queries: the queries that the NMS before layers 1 and 2 kept,
-# per image. Row 0 of stock's mask reads "every query" where query 0 was kept (image 1 at layer 1).
-KEPT = [[[1, 2, 5, 7, 9], [0, 3, 4], [2, 3, 4, 5, 6, 8]], [[1, 5, 9], [1, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9]]]
 
 
 @pytest.fixture
@@ -21,22 +16,13 @@ def float64():
         yield
 
 
-def _stock_and_fast_heads():
-    stock = ddq_head()
-    fast = copy.deepcopy(stock)
-    fast.cache_dict = stock.cache_dict  # one dict shared by every module of a detector
-    holder = nn.Module()
-    holder.bbox_head = fast
-    return stock, fast, apply_fast_paths(holder, batched_losses=True)
-
-
 # Images with 3, 0 and 7 gts: the dense matching takes each gt 4 times (12 dense queries / 3 gts), none, and once
 # (12 // 7); an image without gts has no matching, no dense targets, and the denoising part pads it.
 @pytest.mark.parametrize("num_gts", [(3, 0, 7), (2, 5, 1), (0, 0, 0)], ids=["gts3-0-7", "gts2-5-1", "gts0-0-0"])
 def test_one_pass_gives_the_stock_losses_and_gradients(num_gts, float64):
-    stock_head, fast_head, changed = _stock_and_fast_heads()
+    stock_head, fast_head, changed = stock_and_one_pass_heads()
     assert changed == {"hungarian_host_syncs": 1, "batched_matching": 1, "batched_losses": 1}
-    inputs = ddq_loss_inputs(stock_head, num_gts, KEPT)
+    inputs = ddq_loss_inputs(stock_head, num_gts, KEPT_BY_THE_NMS)
     stock, stock_grads = ddq_losses_and_gradients(stock_head, inputs)
     fast, fast_grads = ddq_losses_and_gradients(fast_head, inputs)
     assert list(fast) == list(stock)  # the same keys, in stock's order
@@ -54,8 +40,8 @@ def test_one_pass_gives_the_stock_losses_and_gradients(num_gts, float64):
 
 def test_every_matching_of_the_step_reaches_the_host_in_one_copy(float64):
     from host_transfers import HostTransferSpy
-    stock_head, fast_head, _ = _stock_and_fast_heads()
-    inputs = ddq_loss_inputs(stock_head, (3, 0, 7), KEPT)
+    stock_head, fast_head, _ = stock_and_one_pass_heads()
+    inputs = ddq_loss_inputs(stock_head, (3, 0, 7), KEPT_BY_THE_NMS)
     calls = []
     for head in (stock_head, fast_head):
         with HostTransferSpy() as spy:
