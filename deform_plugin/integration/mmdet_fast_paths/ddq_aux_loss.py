@@ -133,7 +133,7 @@ def solve_dense_costs(aux_loss, costs: DenseCosts, host: np.ndarray, batch_gt_in
     return DenseMatches(*(np.concatenate(column).astype(np.int64) for column in zip(*parts)))
 
 
-def _alignment_hyperparameters(assigner) -> Tuple[float, float]:
+def _alignment_hyperparameters(assigner) -> Tuple[int, int]:
     # DDQAuxLoss calls assign without alpha and beta: the method's defaults hold.
     parameters = inspect.signature(type(assigner).assign).parameters
     return parameters["alpha"].default, parameters["beta"].default

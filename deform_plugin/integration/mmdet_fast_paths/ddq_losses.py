@@ -48,7 +48,7 @@ def batchable_ddq_head(head) -> bool:
     return (isinstance(head, DDQDETRHead)
             and all(getattr(type(head), name) is getattr(DDQDETRHead, name) for name in _STOCK_HEAD_METHODS)
             and all(getattr(type(head), name) is getattr(DINOHead, name) for name in _STOCK_DINO_METHODS)
-            and isinstance(getattr(head, "assigner", None), HungarianAssigner) and batchable_head(head)
+            and type(getattr(head, "assigner", None)) is HungarianAssigner and batchable_head(head)
             and batchable_aux_loss(getattr(head, "aux_loss_for_dense", None)))
 
 
