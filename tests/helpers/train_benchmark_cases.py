@@ -6,6 +6,7 @@ from deform_plugin.benchmarks.detector import user_path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FAST_DDETR = REPO_ROOT / "configs" / "fast" / "deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py"
 FAST_MASK2FORMER = REPO_ROOT / "configs" / "fast" / "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py"
+FAST_DDQ = REPO_ROOT / "configs" / "fast" / "ddq-detr-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"
 PANOPTIC = REPO_ROOT / "configs" / "mask2former" / "mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin.py"
 FAST_PANOPTIC = REPO_ROOT / "configs" / "fast" / "mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin-fast.py"
 # Stock mmdet and deform_plugin both train it in seconds on the CPU.

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ON_GPU = torch.cuda.is_available()
 CONFIGS = {"dino": "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py",
+           "ddq": "configs/ddq/ddq-detr-4scale_r50_8xb2-12e_coco_deform-plugin.py",
            "mask2former": "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py"}
 
 
@@ -41,7 +42,8 @@ def _predictions(samples):
     return out
 
 
-@pytest.mark.parametrize("name", ["dino", "mask2former"])
+# DDQ-DETR's region ends with its encoder: its decoder's query selection runs after it, with the post-processing.
+@pytest.mark.parametrize("name", ["dino", "ddq", "mask2former"])
 def test_split_predict_is_the_stock_predict(name):
     # The DETRs' region takes each image's size as a tensor and masks its padding; an unpadded image gets an
     # all-valid mask where stock passes none: the same detections up to rounding.
@@ -97,7 +99,7 @@ def test_a_detector_without_graph_inference_is_refused():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("name", ["dino", "mask2former"])
+@pytest.mark.parametrize("name", ["dino", "ddq", "mask2former"])
 def test_graph_replay_gives_the_eager_detections(name):
     from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
     detector = _detector(name, device="cuda", dtype=torch.float32)

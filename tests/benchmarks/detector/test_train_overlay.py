@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 import pytest
-from train_benchmark_cases import FAST_DDETR, FAST_MASK2FORMER, FAST_PANOPTIC, PANOPTIC, REPO_ROOT, merged_overlay
+from train_benchmark_cases import (FAST_DDETR, FAST_DDQ, FAST_MASK2FORMER, FAST_PANOPTIC, PANOPTIC, REPO_ROOT,
+                                   merged_overlay)
 
 from deform_plugin.benchmarks.detector import train_overlay, user_path
 
@@ -51,6 +52,19 @@ def test_our_overlay_keeps_the_plugin_pieces(tmp_path, source):
     assert cfg.train_dataloader.dataset.pipeline == base.train_dataloader.dataset.pipeline
     assert cfg.train_dataloader.dataset.data_prefix.seg == base.train_dataloader.dataset.data_prefix.seg
     assert cfg.train_cfg.type == "IterBasedTrainLoop" and "dynamic_intervals" not in cfg.train_cfg
+
+
+def test_the_ddq_fast_config_gives_a_stock_and_our_overlay(tmp_path, source):
+    # Its FastPathsHook is written out in the config (not a fast_step.py value): the stock overlay still drops it.
+    base, stock = merged_overlay(tmp_path, FAST_DDQ, "stock:fp32", source)
+    user_path.check_supported(base, FAST_DDQ)
+    assert user_path.plugin_references(stock.to_dict()) == []
+    assert [hook.type for hook in stock.custom_hooks] == [user_path.TIMER_HOOK]
+    _, ours = merged_overlay(tmp_path, FAST_DDQ, "ours:bf16", source)
+    assert [hook.type for hook in ours.custom_hooks] == ["FastPathsHook", "ShapeBucketsHook", user_path.TIMER_HOOK]
+    for cfg in (stock, ours):
+        assert cfg.model.type == "DDQDETR" and cfg.model.backbone.init_cfg is None
+        assert cfg.train_dataloader.dataset.pipeline == base.train_dataloader.dataset.pipeline
 
 
 def test_pretrained_init_cfgs_are_dropped_wherever_they_are():
