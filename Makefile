@@ -16,6 +16,9 @@ $(STAMP): setup.py requirements/runtime.txt requirements/tests.txt Makefile defo
 	$(PIP) install -r requirements/runtime.txt -r requirements/tests.txt
 	@# mmcv with compiled ops, where present, is used as it is; otherwise mmcv-lite (seconds, no compiler).
 	$(PY) deform_plugin/integration/mmcv_lite.py compiled-ops || $(PIP) install mmcv-lite==2.1.0
+	@# mmdet's panoptic loading and metric import `panopticapi`, which PyPI has only as panopticapi-lite (the same
+	@# module); its metadata pins numpy<2, which the module does not need: installed without dependencies.
+	$(PIP) install --no-deps panopticapi-lite==0.2.0
 	$(PIP) install --no-deps --no-build-isolation -e .
 	$(PY) -c "import deform_plugin, mmdet.models; print('deform_plugin', deform_plugin.__version__, 'ready')"
 	touch $(STAMP)
@@ -24,8 +27,10 @@ demo: install
 	$(PY) tools/demo.py
 
 # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning, which matters on a shared 2-core machine.
+# -n: one pytest worker per core (pytest-xdist); TEST_WORKERS=0 runs the tests in one process.
+TEST_WORKERS ?= auto
 test: install
-	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m pytest tests
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m pytest tests -n $(TEST_WORKERS)
 
 clean:
 	rm -rf $(VENV) work_dirs .pytest_cache

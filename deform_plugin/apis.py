@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+from .cpu_threads import GPU_INFERENCE_CPU_THREADS, cap_threads_for_gpu_inference, check_thread_limit
 from .cuda_graphs import CapturePolicy, InferenceBuckets
 from .integration.mmdet_fast_paths import apply_fast_paths
 from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
@@ -23,8 +24,8 @@ from .integration.mmdet_graph_inference import GraphInference, enable_graph_infe
 __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference", "throughput_buckets"]
 
 
-def enable_fast_inference(model, policy: Optional[CapturePolicy] = None,
-                          buckets: Optional[InferenceBuckets] = ...) -> Dict[str, object]:
+def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets: Optional[InferenceBuckets] = ...,
+                          cpu_threads: Optional[int] = GPU_INFERENCE_CPU_THREADS) -> Dict[str, object]:
     """Make ``model`` (an mmdet DETR-family or MaskFormer detector, in eval mode) infer at graph speed on CUDA.
 
     Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``) and the SDPA attention
@@ -32,10 +33,28 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None,
     to ``buckets`` (default: 32 px steps, borrowing a captured shape of at most 15% more pixels; None: no padding;
     :func:`throughput_buckets` for sizes that rarely repeat, with more padding), a shape is captured once it
     recurs, and shapes beyond the ``policy``'s caps run eagerly (default: captured at the second call, at most 16
-    graphs). On a CPU the model runs as before. Returns what changed; its
-    ``'graph_inference'`` entry's ``stats()`` reports graphs, replays, eager calls and the graphs' memory.
+    graphs). On a CPU the model runs as before.
+
+    For a model on the GPU, torch's CPU threads are lowered to ``cpu_threads`` (default 4; None keeps them;
+    ``OMP_NUM_THREADS``, where set, wins): with one thread per core, torch's idle OpenMP workers spin on the cores
+    that the test pipeline and the host side of each call need (:mod:`deform_plugin.cpu_threads` has the figures).
+    This is a setting of the whole process, and it is logged.
+
+    Returns what changed; its ``'graph_inference'`` entry's ``stats()`` reports graphs, replays, eager calls and
+    the graphs' memory, and ``'cpu_threads'`` the thread count set (absent where none was).
     """
+    check_thread_limit(cpu_threads)
     model.eval()
     changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True))
     changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
+    on_gpu = any(parameter.is_cuda for parameter in model.parameters())
+    if on_gpu:
+        import torch
+        from mmengine.logging import print_log
+        before = torch.get_num_threads()
+        if cap_threads_for_gpu_inference(cpu_threads) is not None:
+            changed["cpu_threads"] = cpu_threads
+            print_log(f"deform_plugin: torch CPU threads {before} -> {cpu_threads} for GPU inference (idle OpenMP "
+                      "workers spin on the cores the test pipeline needs; enable_fast_inference(cpu_threads=None) "
+                      "keeps them)", logger="current")
     return changed

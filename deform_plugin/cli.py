@@ -8,6 +8,10 @@ A mistake in a command line (a config, checkpoint or image folder that does not 
 tool with one ``error:`` line naming the path and exit status 2, as argparse does, before anything is built. A
 ``--cfg-options`` key whose top-level key is in neither the config nor mmengine's Runner gets a warning that names
 the closest key: mmengine would add it silently and run the config unchanged.
+
+``--launcher`` (:func:`prepare_launcher`, run by :func:`build_runner`): ``pytorch`` outside torchrun is a usage error
+that names the missing variables; on a machine without CUDA devices the ranks of ``tools/dist_train.sh`` and
+``tools/dist_test.sh`` run on the CPU over gloo.
 """
 from __future__ import annotations
 
@@ -203,5 +207,81 @@ def enable_resume_by_parameter_name(cfg: Config) -> None:
     cfg.custom_hooks = hooks
 
 
+# What torchrun (tools/dist_train.sh, tools/dist_test.sh) sets for each rank and mmengine's pytorch launcher reads.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def prepare_launcher(cfg: Config) -> None:
+    """Check what ``cfg.launcher`` needs from the environment; without CUDA devices, start the ranks on the CPU.
+
+    ``--launcher pytorch`` without torchrun's variables ends with a usage error that names the missing ones (mmengine
+    would stop with ``KeyError: 'RANK'``). On a machine without CUDA devices, mmengine's pytorch launcher would bind
+    each rank to ``cuda:LOCAL_RANK`` before joining the process group, and its default model wrapper would pass
+    ``device_ids=[LOCAL_RANK]``, which DistributedDataParallel refuses for a CPU model; so here the rank joins the
+    process group itself (gloo where the config's ``env_cfg.dist_cfg`` asks for nccl, which needs GPUs; the config's
+    timeout kept), mmengine then uses that group, and a DistributedDataParallel wrapper gets ``device_ids=None``.
+    ``--launcher slurm`` and ``mpi`` bind GPUs the same way and have no CPU fallback: without CUDA they end with a
+    usage error.
+    """
+    launcher = cfg.get("launcher", "none")
+    if launcher == "none":
+        return
+    if launcher == "pytorch":
+        missing = [name for name in TORCHRUN_VARIABLES if not os.environ.get(name)]
+        if missing:
+            usage_error(f"--launcher pytorch reads {', '.join(missing)} from the environment, which torchrun sets "
+                        "for each rank: start the tool with tools/dist_train.sh or tools/dist_test.sh (or torchrun)")
+    if torch.cuda.is_available():
+        return
+    if launcher != "pytorch":
+        usage_error(f"--launcher {launcher} binds each task to a CUDA device and this machine has none: on the CPU, "
+                    "start the ranks with tools/dist_train.sh or tools/dist_test.sh (--launcher pytorch, gloo)")
+    join_cpu_process_group(cfg)
+    wrap_model_on_cpu(cfg)
+
+
+def join_cpu_process_group(cfg: Config) -> None:
+    """Join torchrun's process group (``env://``) on the CPU, with the config's backend unless it is nccl (then
+    gloo), and record the backend used in ``cfg.env_cfg.dist_cfg``."""
+    import datetime
+
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    env_cfg = cfg.get("env_cfg", None) or {}
+    dist_cfg = dict(env_cfg.get("dist_cfg", None) or {})
+    backend = dist_cfg.pop("backend", "nccl")
+    dist_cfg.pop("init_backend", None)  # mmengine's choice of initialiser (deepspeed, colossalai): torch's here
+    if backend == "nccl":
+        backend = "gloo"
+        if os.environ["RANK"] == "0":
+            print("note: no CUDA device: the ranks join a gloo process group (the config's env_cfg.dist_cfg asks "
+                  "for nccl, which needs GPUs)", file=sys.stderr, flush=True)
+    if "timeout" in dist_cfg:  # seconds in mmengine's configs
+        dist_cfg["timeout"] = datetime.timedelta(seconds=dist_cfg["timeout"])
+    dist.init_process_group(backend=backend, init_method="env://", **dist_cfg)
+    cfg.env_cfg = dict(env_cfg, dist_cfg=dict(env_cfg.get("dist_cfg", None) or {}, backend=backend))
+
+
+def wrap_model_on_cpu(cfg: Config) -> None:
+    """``device_ids=None`` for a DistributedDataParallel model wrapper (mmengine's default one included, with its
+    defaults: ``broadcast_buffers=False`` and the config's ``find_unused_parameters``); other wrappers take no
+    devices."""
+    from mmengine.registry import MODEL_WRAPPERS
+    from torch.nn.parallel import DistributedDataParallel
+    wrapper = cfg.get("model_wrapper_cfg", None)
+    if wrapper is None:
+        cfg.model_wrapper_cfg = dict(type="MMDistributedDataParallel", broadcast_buffers=False,
+                                     find_unused_parameters=cfg.get("find_unused_parameters", False), device_ids=None)
+        return
+    wrapper_type = wrapper.get("type", "MMDistributedDataParallel")
+    if isinstance(wrapper_type, str):
+        wrapper_type = MODEL_WRAPPERS.get(wrapper_type)
+    if isinstance(wrapper_type, type) and issubclass(wrapper_type, DistributedDataParallel):
+        wrapper.setdefault("device_ids", None)
+
+
 def build_runner(cfg: Config) -> Runner:
+    """The Runner of ``cfg``, after :func:`prepare_launcher`."""
+    prepare_launcher(cfg)
     return Runner.from_cfg(cfg) if "runner_type" not in cfg else RUNNERS.build(cfg)

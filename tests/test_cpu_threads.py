@@ -45,6 +45,27 @@ def test_the_users_thread_count_wins(monkeypatch, restore_threads):
     assert cpu_threads.configure_cpu_threads() is None and torch.get_num_threads() == 2
 
 
+def test_gpu_inference_lowers_torch_threads_to_the_limit(monkeypatch, restore_threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    torch.set_num_threads(3)
+    assert cpu_threads.cap_threads_for_gpu_inference(2) == 2 and torch.get_num_threads() == 2
+    # At or below the limit, or with no limit, the count stays.
+    assert cpu_threads.cap_threads_for_gpu_inference(2) is None and torch.get_num_threads() == 2
+    assert cpu_threads.cap_threads_for_gpu_inference(None) is None and torch.get_num_threads() == 2
+
+
+def test_gpu_inference_keeps_the_users_thread_count(monkeypatch, restore_threads):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    torch.set_num_threads(3)
+    assert cpu_threads.cap_threads_for_gpu_inference(1) is None and torch.get_num_threads() == 3
+
+
+@pytest.mark.parametrize("limit", [0, -2, 1.5, "4", True])
+def test_a_bad_thread_limit_is_refused_by_value(limit):
+    with pytest.raises(ValueError, match=f"got {limit!r}"):
+        cpu_threads.cap_threads_for_gpu_inference(limit)
+
+
 @pytest.mark.parametrize("tool", TOOLS)
 def test_each_tool_sets_the_wait_policy_before_it_imports_torch(tool):
     source = (REPO_ROOT / "tools" / tool).read_text()

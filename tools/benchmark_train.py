@@ -3,7 +3,8 @@
 
 Each row trains a config for ``--iters`` iterations with the training script a user runs (mmdet's own
 ``tools/train.py`` for ``stock`` rows, ours for ``ours`` rows) and mmengine's Runner, the config's own train pipeline
-reading a synthetic COCO-like set; a hook times windows of iterations with device syncs at the window ends only::
+reading a synthetic COCO-like set (detection and instance segmentation configs) or COCO-panoptic-like set (panoptic
+configs); a hook times windows of iterations with device syncs at the window ends only::
 
     python tools/benchmark_train.py \\
         configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py \\

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# Multi-GPU testing with torchrun, mmdet's dist_test.sh conventions:
-#   bash tools/dist_test.sh CONFIG CHECKPOINT GPUS [test.py options...]
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 PORT=29500 bash tools/dist_test.sh CONFIG CHECKPOINT 8 --out r.pkl
-# Each rank gets its own device (LOCAL_RANK, set by torchrun); mmengine's launcher='pytorch' binds it.
+# Multi-GPU and multi-node testing with torchrun, mmdet's dist_test.sh conventions:
+#   bash tools/dist_test.sh CONFIG CHECKPOINT GPUS [tools/test.py options...]
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 PORT=29500 bash tools/dist_test.sh CONFIG CKPT 8 --out r.pkl (node 0)
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 PORT=29500 bash tools/dist_test.sh CONFIG CKPT 8             (node 1)
+# GPUS is the number of ranks on this node. Each rank gets its own device (LOCAL_RANK, set by torchrun), which
+# mmengine's launcher='pytorch' binds; on a machine without CUDA devices the ranks run on the CPU over gloo.
+# MASTER_PORT is taken as another name for PORT; PYTHON picks the interpreter.
 set -euo pipefail
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+source "$SCRIPT_DIR/launch_common.sh"
 
 if [ "$#" -lt 3 ]; then
     echo "usage: $0 CONFIG CHECKPOINT GPUS [tools/test.py options, e.g. --work-dir DIR --out results.pkl" \
@@ -15,19 +20,10 @@ CONFIG=$1
 CHECKPOINT=$2
 GPUS=$3
 shift 3
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-PORT=${PORT:-29500}
-MASTER_ADDR=${MASTER_ADDR:-"127.0.0.1"}
+require_whole_number GPUS "$GPUS" 1
+check_torchrun_variables
+export_rank_environment
 
-# NVLink SHARP (NVLS) multicast and symmetric-memory multicast need fabric support that shared and virtualised
-# hosts often lack; NCCL then fails at init or hangs. Plain NVLink/PCIe rings are what these jobs use anyway.
-export NCCL_NVLS_ENABLE=0
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-# One OpenMP thread per rank unless the user chose otherwise: GPUS ranks x all cores would oversubscribe the CPU.
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-
-SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 PYTHONPATH="$(dirname "$SCRIPT_DIR"):${PYTHONPATH:-}" \
 exec "${PYTHON:-python3}" -m torch.distributed.run \
     --nnodes="$NNODES" \

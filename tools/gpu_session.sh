@@ -6,7 +6,8 @@
 #
 # PHASE:
 #   wheelhouse  not on the GPU host: the wheels (CPython 3.12, manylinux x86_64) of mmengine, mmdet, mmcv-lite and
-#             their small dependencies, and mmcv's source (for the stock baseline's build), into .whl (or OUT);
+#             their small dependencies (panopticapi-lite: the panoptic configs' data loading), and mmcv's source
+#             (for the stock baseline's build), into .whl (or OUT);
 #             the host has Python 3.12, torch, triton, numpy, scipy and opencv, and no way to download the rest.
 #   tests     mmcv's CUDA ops start building in the background (the stock baseline, into the system site); the GPU
 #             tests run meanwhile on mmcv-lite; then (after the tests, on a one-GPU host) the MSDA entry benchmark
@@ -35,10 +36,12 @@
 #             without ShapeBucketsHook), Deformable-DETR and DINO, 3 seeds, every run at once over the host's GPUs,
 #             ending before the phase's deadline; the report (md, json, csv, one PNG per config) goes straight to
 #             OUT. PARITY_ROWS, PARITY_ITERS (default auto: as many as fit) and PARITY_ARGS adjust it.
+#   multinode tools/dist_train.sh as two nodes on this host, one GPU each over NCCL (tests/tools/test_two_nodes.py,
+#             its cuda-nccl variant; two GPUs), and its CPU variant over gloo.
 # Every phase but wheelhouse needs .whl, made by the wheelhouse phase and copied to the host with the tree. Results
 # go to OUT (default $OUT, else bench_results/gpu): one log per job and a tarball of every result file.
 set -uo pipefail
-phase=${1:?usage: bash tools/gpu_session.sh wheelhouse|tests|train|ops|scale|borrow|profile|build|sizes|memory|parity [OUT]}
+phase=${1:?usage: bash tools/gpu_session.sh wheelhouse|tests|train|ops|scale|borrow|profile|build|sizes|memory|parity|multinode [OUT]}
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 
@@ -52,7 +55,7 @@ make_wheelhouse() {  # DEST: everything install_wheels and build_mmcv read on th
   done
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       "${platforms[@]}" -d "$dest" mmengine==0.10.7 mmdet==3.3.0 mmcv-lite==2.1.0 addict yapf platformdirs termcolor \
-      terminaltables pycocotools shapely
+      terminaltables pycocotools shapely panopticapi-lite==0.2.0
   # mmcv's source distribution: preparing its metadata imports pkg_resources, which setuptools 82 removed, so a
   # throwaway environment with an older setuptools fetches it.
   tmp=$(mktemp -d)
@@ -137,8 +140,11 @@ second_gpu=$(( gpus > 1 ? 1 : 0 ))
 
 declare -A config_of=(
   [ddetr]=configs/fast/deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py
+  [ddetr-plain]=configs/fast/deformable-detr_r50_16xb2-50e_coco_deform-plugin-fast.py
+  [ddetr-refine]=configs/fast/deformable-detr-refine_r50_16xb2-50e_coco_deform-plugin-fast.py
   [dino]=configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py
-  [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py)
+  [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py
+  [mask2former-panoptic]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin-fast.py)
 
 install_wheels
 case "$phase" in
@@ -165,7 +171,8 @@ tests)
   wait $tests_pid
   ;;
 train)
-  # TRAIN_CONFIGS picks the configs (default all three) and INFERENCE=0 skips the batch-1 inference rows, so that
+  # TRAIN_CONFIGS picks the configs (default ddetr dino mask2former; also ddetr-plain, ddetr-refine and
+  # mask2former-panoptic) and INFERENCE=0 skips the batch-1 inference rows, so that
   # one GPU can run the phase in pieces of under 10 minutes; TRAIN_ITERS (default 100) lengthens the runs.
   wait_for_mmcv
   rows="stock:fp32 ours:bf16:cold ours:bf16 ours:bf16:no-buckets ours:fp32:no-buckets ours:fp32"
@@ -298,6 +305,12 @@ memory)
       --rows stock:fp32 triton:bf16:$exact triton:bf16:$exact+ffn --warmup 5 --steps 20 --inference-steps 0 \
       --no-progress --out-dir "$results" --name memory > "$results/memory.log" 2>&1
   tail -24 "$results/memory.log"
+  ;;
+multinode)
+  # tools/dist_train.sh as two nodes on this host (tests/tools/test_two_nodes.py): one GPU per node, NCCL over TCP
+  # sockets (the variant needs two GPUs), and CPU ranks over gloo.
+  with_lite timeout $(( $(left) - 10 )) python3 -m pytest -v -rfEs -p no:cacheprovider tests/tools/test_two_nodes.py \
+      2>&1 | tee "$results/two_nodes.log" | tail -25
   ;;
 parity)
   wait_for_mmcv

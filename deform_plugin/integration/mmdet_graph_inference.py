@@ -4,7 +4,9 @@ At batch 1 the GPU work of a detector is small and the host's kernel launches se
 the launches of a whole forward in one call. The detector's ``predict`` is split in two: the *region* (backbone,
 neck, transformer and head forward: fixed-size tensors in and out, no host sync once ``sync_free_forward`` is on)
 is captured once per input shape and replayed; the *post-processing* (top-k, rescaling to the original image, mask
-fusion: data-dependent and cheap) runs eagerly on the replayed outputs, as mmdet runs it.
+fusion: data-dependent and cheap) runs eagerly on the replayed outputs, as mmdet runs it. DDQ-DETR selects its
+decoder's queries with NMS (a data-dependent number of boxes, read on the host): its region ends with the encoder,
+and its decoder and head run eagerly with the post-processing.
 
 Real photos come in many sizes, and a graph serves one shape. So each input is padded up to a bucket
 (:class:`~deform_plugin.cuda_graphs.InferenceBuckets`): the DETRs take each image's size inside the padded input as
@@ -62,6 +64,26 @@ def _detr_postprocess(detector, outs, batch_data_samples, rescale):
     return detector.add_pred_to_datasample(batch_data_samples, results_list)
 
 
+def _encoder_region(detector, batch_inputs, image_sizes):
+    # DDQ-DETR: backbone, neck and encoder. The NMS that selects its distinct queries, before the decoder and between
+    # its layers, keeps a data-dependent number of boxes: it needs the host, and runs after the replay.
+    encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes)
+    return dict(memory=encoder_outputs["memory"], memory_mask=encoder_outputs["memory_mask"],
+                valid_ratios=decoder_inputs["valid_ratios"], spatial_shapes=decoder_inputs["spatial_shapes"],
+                level_start_index=decoder_inputs["level_start_index"])
+
+
+def _decoder_and_postprocess(detector, outs, batch_data_samples, rescale):
+    # The replayed level tables are copies: the decoder's sync-free pieces read each once (a few integers).
+    encoder_outputs = dict(memory=outs["memory"], memory_mask=outs["memory_mask"],
+                           spatial_shapes=outs["spatial_shapes"])
+    decoder_inputs = {name: outs[name] for name in ("memory_mask", "spatial_shapes", "level_start_index",
+                                                    "valid_ratios")}
+    head_inputs = detr_decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples)
+    outs = detector.bbox_head(head_inputs["hidden_states"], head_inputs["references"])
+    return _detr_postprocess(detector, outs, batch_data_samples, rescale)
+
+
 def _maskformer_region(detector, batch_inputs, image_sizes=None):
     # Mask2Former's forward reads the pixels only (mmdet 3.3.0 does not mask its padding).
     return detector.panoptic_head(detector.extract_feat(batch_inputs), None)
@@ -86,11 +108,14 @@ class _Split(NamedTuple):
 
 def _split_predict(detector) -> Optional[_Split]:
     """The region and post-processing of a detector whose class keeps mmdet's own ``predict``, else None."""
-    from mmdet.models.detectors import DeformableDETR, DetectionTransformer, MaskFormer
+    from mmdet.models.detectors import DDQDETR, DINO, DeformableDETR, DetectionTransformer, MaskFormer
     if (isinstance(detector, DeformableDETR) and type(detector).predict is DetectionTransformer.predict
             and all(getattr(type(detector), name) is getattr(DeformableDETR, name)
                     for name in ("pre_transformer", "forward_encoder", "extract_feat"))):
-        return _Split(_detr_region, _detr_postprocess, True)
+        if not isinstance(detector, DDQDETR):
+            return _Split(_detr_region, _detr_postprocess, True)
+        if type(detector).forward_transformer is DINO.forward_transformer:
+            return _Split(_encoder_region, _decoder_and_postprocess, True)
     if isinstance(detector, MaskFormer) and type(detector).predict is MaskFormer.predict:
         import mmdet
         if mmdet.__version__ == MIRRORED_MMDET_VERSION:

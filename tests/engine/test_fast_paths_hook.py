@@ -64,6 +64,55 @@ def test_fast_config_selects_everything():
     assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel")
 
 
+_DETR_FAST_PATHS = dict(sdpa_attention=True, batched_matching=True, sync_free_losses=True, sync_free_forward=True,
+                        batched_losses=True, cuda_graphs=True, relu_dropout_fusion=True, ffn_recompute=True)
+
+
+@pytest.mark.parametrize("name, with_box_refine", [("deformable-detr_r50_16xb2-50e_coco_deform-plugin-fast.py", False),
+                                                   ("deformable-detr-refine_r50_16xb2-50e_coco_deform-plugin-fast.py",
+                                                    True)], ids=["plain", "refine"])
+def test_single_stage_deformable_detr_fast_configs_select_every_detr_fast_path(name, with_box_refine):
+    # Loaded as tools/train.py loads them (custom imports included): the stock model and pipeline of their family
+    # config, and what the two-stage fast config selects.
+    import os
+
+    from mmengine.config import Config
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = Config.fromfile(os.path.join(root, "configs", "fast", name))
+    two_stage = Config.fromfile(os.path.join(
+        root, "configs", "fast", "deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py"))
+    assert (cfg.model.with_box_refine, cfg.model.as_two_stage) == (with_box_refine, False)
+    assert fast_path_switches_from_config(cfg) == _DETR_FAST_PATHS
+    assert [hook.type for hook in cfg.custom_hooks] == ["FastPathsHook", "ShapeBucketsHook"]
+    assert cfg.custom_hooks == two_stage.custom_hooks
+    for key in ("custom_imports", "optim_wrapper", "default_hooks", "model_wrapper_cfg"):
+        assert cfg[key] == two_stage[key], key
+    assert cfg.train_dataloader.pin_memory and cfg.model.data_preprocessor.non_blocking
+    assert cfg.train_dataloader.dataset.pipeline == two_stage.train_dataloader.dataset.pipeline
+
+
+def test_mask2former_panoptic_fast_config_selects_the_instance_configs_fast_paths():
+    import os
+
+    from mmengine.config import Config
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cfg = Config.fromfile(os.path.join(
+        root, "configs", "fast", "mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin-fast.py"))
+    instance = Config.fromfile(os.path.join(
+        root, "configs", "fast", "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py"))
+    head = cfg.model.panoptic_head
+    assert (head.num_things_classes, head.num_stuff_classes) == (80, 53)  # the stock panoptic model and data
+    assert cfg.train_dataloader.dataset.type == "CocoPanopticDataset"
+    assert "LoadPanopticAnnotations" in [step.type for step in cfg.train_dataloader.dataset.pipeline]
+    assert fast_path_switches_from_config(cfg) == dict(sdpa_attention=True, batched_matching=True,
+                                                       sync_free_forward=True, cuda_graphs=True)
+    assert cfg.custom_hooks == instance.custom_hooks  # no shape buckets: LSJ's one 1024x1024 shape
+    for key in ("custom_imports", "optim_wrapper", "default_hooks", "model_wrapper_cfg"):
+        assert cfg[key] == instance[key], key
+    assert cfg.train_dataloader.pin_memory and cfg.model.data_preprocessor.non_blocking
+    assert cfg.model.data_preprocessor.pad_seg and cfg.model.data_preprocessor.seg_pad_value == 255
+
+
 def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
     # Splitting lets DDP all-reduce gradients while the backbone's backward replays; on one process, or where the
     # regions write into a FlatGradientsDataParallel's gradient slots, it buys nothing.

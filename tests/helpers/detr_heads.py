@@ -18,8 +18,15 @@ def random_boxes(count, generator, width=96, height=64, degenerate=0):
     return boxes
 
 
+# Deformable-DETR's variants: plain (one class and box branch shared by every decoder layer), refine (a branch per
+# layer) and refine two-stage (a branch per layer and one more for the encoder's proposals).
+DEFORMABLE_DETR_KINDS = ("deformable-detr", "deformable-detr-refine", "deformable-detr-two-stage")
+TWO_STAGE_KINDS = ("deformable-detr-two-stage", "dino")
+
+
 def detr_head(kind):
-    """A small head of the ``kind`` family (``"dino"`` or two-stage Deformable-DETR) with the configs' losses."""
+    """A small head of the ``kind`` family (``"dino"`` or one of :data:`DEFORMABLE_DETR_KINDS`) with the configs'
+    losses."""
     from mmdet.registry import MODELS
     from mmdet.utils import register_all_modules
     register_all_modules(init_default_scope=True)
@@ -32,8 +39,11 @@ def detr_head(kind):
                   train_cfg=dict(assigner=assigner))
     if kind == "dino":
         return MODELS.build(dict(type="DINOHead", **common))
-    return MODELS.build(dict(type="DeformableDETRHead", share_pred_layer=False, num_pred_layer=3,
-                             as_two_stage=True, **common))
+    if kind not in DEFORMABLE_DETR_KINDS:
+        raise ValueError(f"unknown DETR head kind {kind!r}")
+    # The branches do not enter loss_by_feat; only their layout differs between the variants.
+    return MODELS.build(dict(type="DeformableDETRHead", share_pred_layer=kind == "deformable-detr", num_pred_layer=3,
+                             as_two_stage=kind in TWO_STAGE_KINDS, **common))
 
 
 def detr_loss_inputs(kind, num_gts_per_image, seed=0):
@@ -54,6 +64,8 @@ def detr_loss_inputs(kind, num_gts_per_image, seed=0):
     bbox_preds = torch.rand(layers, batch, total, 4, generator=generator) * 0.5 + 0.1
     enc_cls = torch.randn(batch, queries, 5, generator=generator)
     enc_bbox = torch.rand(batch, queries, 4, generator=generator) * 0.5 + 0.1
+    if kind not in TWO_STAGE_KINDS:  # no encoder proposals: the head's loss_by_feat gets None for them
+        enc_cls = enc_bbox = None
     args = dict(all_layers_cls_scores=cls_scores, all_layers_bbox_preds=bbox_preds, enc_cls_scores=enc_cls,
                 enc_bbox_preds=enc_bbox, batch_gt_instances=gts, batch_img_metas=metas)
     if kind == "dino":
@@ -66,7 +78,8 @@ def losses_and_gradients(head, inputs):
     inputs = dict(inputs)
     leaves = {}
     for name in ("all_layers_cls_scores", "all_layers_bbox_preds", "enc_cls_scores", "enc_bbox_preds"):
-        leaves[name] = inputs[name] = inputs[name].detach().clone().requires_grad_()
+        if inputs[name] is not None:
+            leaves[name] = inputs[name] = inputs[name].detach().clone().requires_grad_()
     losses = head.loss_by_feat(**inputs)
     sum(value.sum() for value in losses.values()).backward()
     return losses, {name: leaf.grad for name, leaf in leaves.items()}

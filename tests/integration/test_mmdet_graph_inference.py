@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ON_GPU = torch.cuda.is_available()
 CONFIGS = {"dino": "configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py",
+           "ddq": "configs/ddq/ddq-detr-4scale_r50_8xb2-12e_coco_deform-plugin.py",
            "mask2former": "configs/mask2former/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin.py"}
 
 
@@ -41,7 +42,8 @@ def _predictions(samples):
     return out
 
 
-@pytest.mark.parametrize("name", ["dino", "mask2former"])
+# DDQ-DETR's region ends with its encoder: its decoder's query selection runs after it, with the post-processing.
+@pytest.mark.parametrize("name", ["dino", "ddq", "mask2former"])
 def test_split_predict_is_the_stock_predict(name):
     # The DETRs' region takes each image's size as a tensor and masks its padding; an unpadded image gets an
     # all-valid mask where stock passes none: the same detections up to rounding.
@@ -77,13 +79,27 @@ def test_on_a_cpu_fast_inference_gives_the_eager_detections():
         assert torch.equal(ours["labels"], theirs["labels"])
 
 
+def test_on_a_cpu_fast_inference_keeps_the_cpu_threads():
+    # The threads do the model's work there; only a GPU model's process gets fewer.
+    threads = torch.get_num_threads()
+    changed = enable_fast_inference(_small_detector("dino"), cpu_threads=1)
+    assert torch.get_num_threads() == threads and "cpu_threads" not in changed
+
+
+def test_a_bad_cpu_thread_count_is_refused_before_anything_changes():
+    detector = _small_detector("dino")
+    with pytest.raises(ValueError, match="cpu_threads must be a positive integer or None, got 0"):
+        enable_fast_inference(detector, cpu_threads=0)
+    assert "predict" not in vars(detector)  # no graph-replayed predict put in place
+
+
 def test_a_detector_without_graph_inference_is_refused():
     with pytest.raises(TypeError, match="Linear has no graph inference"):
         GraphInference(torch.nn.Linear(2, 2))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("name", ["dino", "mask2former"])
+@pytest.mark.parametrize("name", ["dino", "ddq", "mask2former"])
 def test_graph_replay_gives_the_eager_detections(name):
     from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
     detector = _detector(name, device="cuda", dtype=torch.float32)

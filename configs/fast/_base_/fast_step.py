@@ -30,6 +30,7 @@ fast_model_wrapper_cfg = dict(type='FlatGradientsDataParallel')
 detr_fast_paths = dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, sync_free_losses=True,
                        batched_losses=True, sync_free_forward=True, cuda_graphs=True, relu_dropout_fusion=True,
                        ffn_recompute=True)
+# DDQ-DETR's fast config selects the subset that fits it and says why the others are off.
 # The one change that is not exact: training batches padded to multiples of 128 px, so that the random-resize
 # pipeline yields a few dozen input shapes instead of a new one per batch, each of which costs cuDNN/cuBLAS plan
 # selection and a graph capture (docs/whole_detector.md measures both sides); a shape's first 4 batches borrow a

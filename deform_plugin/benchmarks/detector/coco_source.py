@@ -4,7 +4,7 @@ JPEG images in COCO's common sizes (480x640, 640x480, 640x640, 427x640, as heigh
 shapes (rectangles, ellipses, triangles) on a noisy background; ``annotations/instances_train.json`` gives each
 shape a box, a polygon ``segmentation``, its ``area``, ``iscrowd=0`` and one of COCO's 80 categories (COCO's ids
 and names, so the stock configs' ``CocoDataset`` metainfo matches). Boxes and polygons (``LoadAnnotations`` with
-``with_mask=True``) load; panoptic PNGs are not generated.
+``with_mask=True``) load; the panoptic set is :mod:`.coco_panoptic_source`'s.
 
 Everything comes from one seed; the folder name carries the format version, the image count and the seed, so a
 change regenerates instead of reading a stale copy. Only numpy and OpenCV are needed (no mmdet, no deform_plugin,
@@ -21,7 +21,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple, Union
+from typing import Callable, List, Optional, Tuple, Union
 
 import cv2
 import numpy as np
@@ -65,6 +65,7 @@ class CocoSource:
     seed: int
     ann_file: str = ANN_FILE
     image_dir: str = IMAGE_DIR
+    seg_dir: Optional[str] = None  # the panoptic PNGs' folder (``data_prefix.seg``) of a panoptic set
 
     @property
     def data_root(self) -> str:
@@ -75,7 +76,8 @@ class CocoSource:
         return self.root / self.ann_file
 
     def describe(self) -> str:
-        return f"synthetic COCO-like set, {self.num_images} JPEG images (seed {self.seed}) in {self.root}"
+        kind = "COCO-panoptic-like" if self.seg_dir else "COCO-like"
+        return f"synthetic {kind} set, {self.num_images} JPEG images (seed {self.seed}) in {self.root}"
 
 
 def default_cache_root() -> Path:
@@ -105,22 +107,29 @@ def ensure_coco_source(cache_root: Union[str, Path, None] = None, num_images: in
     if num_images < 1:
         raise ValueError(f"num_images must be at least 1, got {num_images}")
     final = coco_source_dir(cache_root, num_images, seed)
-    if not (final / ANN_FILE).is_file():
-        final.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        try:
-            os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
-            generate_coco_source(staging, num_images, seed)
-            try:
-                os.rename(staging, final)
-            except OSError:
-                # Another process renamed its copy first: the same bytes, so keep that one.
-                if not (final / ANN_FILE).is_file():
-                    raise
-        finally:
-            if staging.exists():
-                shutil.rmtree(staging, ignore_errors=True)
+    ensure_generated(final, ANN_FILE, lambda staging: generate_coco_source(staging, num_images, seed))
     return CocoSource(final, num_images, seed)
+
+
+def ensure_generated(final: Path, marker: str, generate: Callable[[Path], object]) -> None:
+    """Make ``final`` with ``generate(folder)`` unless ``final / marker`` exists: into a temporary sibling folder,
+    then renamed into place, so that a reader never sees a half-written set."""
+    if (final / marker).is_file():
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        os.chmod(staging, 0o755)  # mkdtemp's 0700 would hide a shared cache from other users
+        generate(staging)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            # Another process renamed its copy first: the same bytes, so keep that one.
+            if not (final / marker).is_file():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def generate_coco_source(out_dir: Union[str, Path], num_images: int, seed: int) -> dict:
@@ -173,14 +182,15 @@ def _render_image(rng: np.random.Generator, height: int, width: int) -> Tuple[np
     image = np.clip(base + noise, 0, 255).astype(np.uint8)
     polygons = []
     for _ in range(int(rng.integers(OBJECTS_PER_IMAGE[0], OBJECTS_PER_IMAGE[1] + 1))):
-        polygon = _shape_polygon(rng, height, width)
+        polygon = shape_polygon(rng, height, width)
         color = tuple(int(c) for c in rng.integers(0, 256, size=3))
         cv2.fillPoly(image, [np.round(polygon).astype(np.int32)], color)
         polygons.append(polygon)
     return image, polygons
 
 
-def _shape_polygon(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+def shape_polygon(rng: np.random.Generator, height: int, width: int) -> np.ndarray:
+    """A rectangle, ellipse or triangle of COCO-like size inside the image, as a float32 (N, 2) (x, y) polygon."""
     # Log-uniform sides: many small objects and a few large ones, as in COCO.
     box_w = float(np.exp(rng.uniform(np.log(MIN_OBJECT_SIDE), np.log(MAX_OBJECT_FRACTION * width))))
     box_h = float(np.exp(rng.uniform(np.log(MIN_OBJECT_SIDE), np.log(MAX_OBJECT_FRACTION * height))))

@@ -24,7 +24,9 @@ TIMER_MODULE = "deform_plugin.benchmarks.detector.iteration_timer"
 TIMER_HOOK = "IterationTimerHook"
 PROFILER_MODULE = "deform_plugin.benchmarks.detector.step_profiler"
 PROFILER_HOOK = "StepProfilerHook"
-SUPPORTED_DATASET = "CocoDataset"
+# The train datasets the synthetic sets serve, and which set each reads (see user_path.synthetic_source).
+DETECTION, PANOPTIC = "detection", "panoptic"
+SUPPORTED_DATASETS = {"CocoDataset": DETECTION, "CocoPanopticDataset": PANOPTIC}
 NEVER = 10 ** 9  # an interval no benchmark reaches
 SIDES = ("stock", "ours")
 SHAPE_BUCKETS_HOOK = "ShapeBucketsHook"
@@ -110,21 +112,20 @@ def read_base_config(path: Path):
     return Config.fromfile(str(path), import_custom_modules=False)
 
 
-def check_supported(base_cfg, path: Path) -> None:
-    """Raise :class:`UnsupportedConfig` unless the config trains a plain ``CocoDataset``."""
+def check_supported(base_cfg, path: Path) -> str:
+    """The kind of synthetic set the config trains on (:data:`DETECTION` for mmdet's ``CocoDataset``,
+    :data:`PANOPTIC` for its ``CocoPanopticDataset``); :class:`UnsupportedConfig` for any other train dataset."""
     loader = base_cfg.get("train_dataloader")
     if not loader or "dataset" not in loader:
         raise UnsupportedConfig(f"{path} has no train_dataloader.dataset to time")
     dataset_type = str(loader["dataset"].get("type"))
-    if "Panoptic" in dataset_type:
+    kind = SUPPORTED_DATASETS.get(dataset_type.rpartition(".")[2])
+    if kind is None:
         raise UnsupportedConfig(
-            f"{path} trains {dataset_type}: panoptic training needs panoptic PNG annotations, which the synthetic "
-            "COCO source does not generate. Time the instance-segmentation config instead "
-            "(configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py).")
-    if dataset_type.rpartition(".")[2] != SUPPORTED_DATASET:
-        raise UnsupportedConfig(
-            f"{path} trains {dataset_type}: the synthetic COCO source serves configs whose train dataset is mmdet's "
-            f"{SUPPORTED_DATASET} (detection or instance segmentation), not dataset wrappers or other formats")
+            f"{path} trains {dataset_type}: the synthetic COCO sets serve configs whose train dataset is mmdet's "
+            f"{' or '.join(SUPPORTED_DATASETS)} (detection, instance or panoptic segmentation), not dataset "
+            "wrappers or other formats")
+    return kind
 
 
 def is_pretrained(init_cfg) -> bool:
@@ -219,7 +220,7 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
         num_workers=settings.workers,
         persistent_workers=settings.workers > 0,
         sampler=replacing("sampler" in loader, dict(type="InfiniteSampler", shuffle=True)),
-        dataset=dict(data_root=source.data_root, ann_file=source.ann_file, data_prefix=dict(img=source.image_dir)))
+        dataset=dict(data_root=source.data_root, ann_file=source.ann_file, data_prefix=_data_prefix(source)))
     overlay["train_cfg"] = replacing("train_cfg" in base,
                                      dict(type="IterBasedTrainLoop", max_iters=settings.iters, val_interval=NEVER))
     for stage in ("val", "test"):
@@ -273,6 +274,11 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
     overlay["custom_imports"] = dict(imports=imports, allow_failed_imports=False)
     overlay["custom_hooks"] = hooks
     return overlay
+
+
+def _data_prefix(source: CocoSource) -> dict:
+    """The dataset's ``data_prefix``: the images, and a panoptic set's PNGs (``seg``) where it has them."""
+    return dict(img=source.image_dir) if source.seg_dir is None else dict(img=source.image_dir, seg=source.seg_dir)
 
 
 def render_overlay(base_path: Path, overlay: dict, row: Row) -> str:

@@ -12,8 +12,9 @@ A row is ``SIDE:MODE``:
 Each row trains for ``iters`` iterations on an overlay config, written to a scratch folder, that inherits the
 user's config (``_base_`` = its absolute path) and changes only what a benchmark must:
 
-- the train dataset reads the synthetic COCO-like set (:mod:`.coco_source`) through the config's
-  own pipeline; batch size and workers as asked; mmengine's ``InfiniteSampler`` (a 64-image set would otherwise end
+- the train dataset reads a synthetic COCO-like set through the config's own pipeline: :mod:`.coco_source`'s
+  for detection and instance segmentation, :mod:`.coco_panoptic_source`'s (panoptic PNGs) for panoptic
+  segmentation; batch size and workers as asked; mmengine's ``InfiniteSampler`` (a 64-image set would otherwise end
   an epoch, and restart the loader, every few dozen iterations, which a real COCO epoch does not);
 - an ``IterBasedTrainLoop`` of ``iters`` iterations; no validation, test or checkpoint; no pretrained download
   (every ``init_cfg`` of type ``Pretrained`` dropped); ``load_from=None``; seed 0;
@@ -39,11 +40,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..common import REPO_ROOT
 from ..stock_process import stock_command
+from .coco_panoptic_source import ensure_coco_panoptic_source
 from .coco_source import CocoSource, ensure_coco_source
 from .random_text_encoder import TEXT_ENCODER_CHOICES, TIMING_ONLY_LABEL, random_text_encoder_override
-from .train_overlay import (NEVER, TIMER_HOOK, TIMER_MODULE, Row, Settings, UnsupportedConfig,  # noqa: F401
-                            check_supported, overlay_settings, parse_row, plugin_references, read_base_config,
-                            render_overlay)
+from .train_overlay import (NEVER, PANOPTIC, TIMER_HOOK, TIMER_MODULE, Row, Settings,  # noqa: F401
+                            UnsupportedConfig, check_supported, overlay_settings, parse_row, plugin_references,
+                            read_base_config, render_overlay)
 
 OUR_TRAIN_SCRIPT = REPO_ROOT / "tools" / "train.py"
 STOCK_TRAIN_MODULE = "deform_plugin.benchmarks.detector.stock_train"
@@ -156,21 +158,30 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     return result
 
 
-def run_benchmark(config_paths: Sequence[Path], rows: Sequence[Row], settings: Settings, source: CocoSource,
-                  out_dir: Path, keep_work_dirs: bool = False, progress=print) -> List[dict]:
-    """Every row on every config, one child process at a time; the results in that order."""
+def synthetic_source(kind: str, cache_root: Optional[Path], num_images: int, seed: int) -> CocoSource:
+    """The synthetic set a config of ``kind`` (:func:`check_supported`) trains on, generated first if need be."""
+    ensure = ensure_coco_panoptic_source if kind == PANOPTIC else ensure_coco_source
+    return ensure(cache_root, num_images, seed)
+
+
+def run_benchmark(config_paths: Sequence[Path], rows: Sequence[Row], settings: Settings, source, out_dir: Path,
+                  keep_work_dirs: bool = False, progress=print) -> List[dict]:
+    """Every row on every config, one child process at a time; the results in that order. ``source``: the
+    :class:`CocoSource` of every config, or a function from a config's dataset kind (:func:`check_supported`) to
+    its set."""
     config_paths = [Path(p).resolve() for p in config_paths]
-    base_cfgs = {}
+    base_cfgs, sources = {}, {}
     for path in config_paths:
         base_cfgs[path] = read_base_config(path)
-        check_supported(base_cfgs[path], path)  # every config before any training
+        kind = check_supported(base_cfgs[path], path)  # every config before any training
+        sources[path] = source(kind) if callable(source) else source
     scratch = Path(tempfile.mkdtemp(prefix="train_benchmark_"))
     results = []
     try:
         for path in config_paths:
             for row in rows:
                 progress(f"[{len(results) + 1}/{len(config_paths) * len(rows)}] {path.name} {row.label} ...")
-                result = run_row(path, base_cfgs[path], row, source, settings, scratch, out_dir)
+                result = run_row(path, base_cfgs[path], row, sources[path], settings, scratch, out_dir)
                 progress(f"    {result['status']} in {result['wall_s'] or 0:.0f} s (log: {result['log']})")
                 results.append(result)
     finally:
@@ -190,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Training speed of mmdet configs along the user's path (training scripts + mmengine Runner + "
                     "the config's data pipeline on a synthetic COCO-like set), stock mmdet/mmcv and deform_plugin "
                     "rows each in its own process.")
-    parser.add_argument("configs", nargs="+", type=Path, help="config files (detection or instance segmentation)")
+    parser.add_argument("configs", nargs="+", type=Path,
+                        help="config files (detection, instance or panoptic segmentation)")
     parser.add_argument("--rows", nargs="+", type=parse_row, default=[parse_row(r) for r in DEFAULT_ROWS],
                         help="SIDE:MODE[:no-buckets][:cold] rows, SIDE in stock|ours, MODE in fp32|fp16|bf16; "
                              "no-buckets removes the config's ShapeBucketsHook, cold gives the row an empty Triton "
@@ -203,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steady-start", type=int, default=None,
                         help="first iteration of the steady-state window (default: the second half of --iters)")
     parser.add_argument("--logger-interval", type=int, default=Settings.logger_interval)
-    parser.add_argument("--images", type=int, default=64, help="images in the synthetic COCO-like set")
+    parser.add_argument("--images", type=int, default=64, help="images in the synthetic COCO-like sets")
     parser.add_argument("--seed", type=int, default=0, help="seed of the synthetic set")
     parser.add_argument("--data-cache", type=Path, default=None,
                         help="where the synthetic set is generated (default: $DEFORM_PLUGIN_DATA or "
@@ -253,13 +265,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"--iters/--first-iters/--steady-start: {error}")
     if args.profile and sum(args.profile) - 1 > args.iters:
         raise SystemExit(f"--profile {args.profile[0]}:{args.profile[1]} ends after --iters {args.iters}")
-    source = ensure_coco_source(args.data_cache, args.images, args.seed)
     out_dir = args.out_dir.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    used: Dict[str, CocoSource] = {}
+
+    def source_of(kind: str) -> CocoSource:
+        if kind not in used:
+            used[kind] = synthetic_source(kind, args.data_cache, args.images, args.seed)
+        return used[kind]
     try:
-        results = run_benchmark(args.configs, args.rows, settings, source, out_dir, args.keep_work_dirs)
+        results = run_benchmark(args.configs, args.rows, settings, source_of, out_dir, args.keep_work_dirs)
     except UnsupportedConfig as error:
         raise SystemExit(str(error))
-    report = summarize(results, settings, source)
+    report = summarize(results, settings, next(iter(used.values())))
     print(write_reports(report, out_dir))
     return 0 if all(r["status"] == "ok" for r in results) else 1

@@ -8,13 +8,14 @@ instances of one model only; each is exact (see its module):
 
 - ``sdpa_attention`` (:mod:`.sdpa_attention`): attention bricks through PyTorch SDPA;
 - ``hungarian_host_syncs`` (:mod:`.matching`) and ``batched_matching`` (:mod:`.batched_matching`): matching with
-  fewer syncs, and all of a step's matching in one pass (for Mask2Former, with its losses made sync-free:
-  :mod:`.mask2former_losses`);
+  fewer syncs, and all of a step's matching in one pass (for Mask2Former, with its losses and its ground truth,
+  panoptic stuff classes included, made sync-free: :mod:`.mask2former_losses`, :mod:`.mask2former_targets`);
 - ``sync_free_losses`` (:mod:`.loss_normalisation`): the DETR heads' per-layer losses without host syncs;
 - ``batched_losses`` (:mod:`.batched_losses`): every decoder layer's loss in one pass, DINO's denoising losses too
-  (needs the matching solved ahead: turns ``batched_matching`` on too); Grounding-DINO's text-conditioned losses
-  likewise (:mod:`.grounding_dino_losses`, which also says which switches have no exact form for it: those are
-  refused);
+  (needs the matching solved ahead: turns ``batched_matching`` on too); DDQ-DETR's head gets both together, its
+  whole loss in one pass with all of the step's matching in one copy (:mod:`.ddq_losses`, :mod:`.ddq_aux_loss`);
+  Grounding-DINO's text-conditioned losses in one pass too (:mod:`.grounding_dino_losses`, which also says which
+  switches have no exact form for it: those are refused);
 - ``sync_free_forward`` (:mod:`.sync_free_forward`): Deformable-DETR's and DINO's forward without host syncs;
 - ``cuda_graphs`` (:mod:`.graphed_training`; Grounding-DINO's, BERT included: :mod:`.graphed_grounding`): their
   training forward and backward replayed from CUDA graphs, one pair per input shape (needs the sync-free forward:
@@ -27,17 +28,22 @@ instances of one model only; each is exact (see its module):
   (less training memory).
 
 All but the first and the last two replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet
-versions (:mod:`deform_plugin.integration.mmdet_version`).
+versions (:mod:`deform_plugin.integration.mmdet_version`). A switch that finds nothing it knows in a model (a
+detector family it does not serve, a subclass that changes the methods it replaces) leaves that model as it is and
+says so in a warning that names the switch, the model and what it looks for.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+import logging
+from typing import Dict, List, Optional
 
+from mmengine.logging import print_log
 from torch import nn
 
 from ..mmdet_version import MIRRORED_MMDET_VERSION, check_mirrored_mmdet_version
 from .batched_losses import enable_batched_losses
 from .batched_matching import enable_batched_matching
+from .ddq_losses import enable_ddq_one_pass_losses
 from .ffn_memory import enable_ffn_recompute, enable_relu_dropout_fusion
 from .graphed_training import enable_cuda_graphs
 from .grounding_dino_losses import enable_grounding_batched_losses, enable_grounding_host_syncs, grounding_refusals
@@ -51,7 +57,22 @@ from .sync_free_forward import enable_sync_free_forward
 FAST_PATHS = FastPaths.switch_names()
 
 __all__ = ["FAST_PATHS", "MIRRORED_MMDET_VERSION", "FastPaths", "apply_fast_paths", "check_mirrored_mmdet_version",
-           "disable_sdpa_attention", "enable_sdpa_attention", "sdpa_multihead_attention_class"]
+           "disable_sdpa_attention", "enable_sdpa_attention", "sdpa_multihead_attention_class", "unchanged_notes"]
+
+# What each switch changes, for the warning where it finds none of it in a model.
+_WHAT_EACH_SWITCH_CHANGES = {
+    "sdpa_attention": "mmcv MultiheadAttention bricks",
+    "hungarian_host_syncs": "mmdet HungarianAssigners",
+    "batched_matching": "DETR-family heads with mmdet's own loss_by_feat, Mask2Former heads, and DDQ-DETR heads "
+                        "(only with batched_losses, whose one pass computes their losses from it)",
+    "sync_free_losses": "DETR-family heads with mmdet's own loss_by_feat_single",
+    "sync_free_forward": "Deformable-DETR-family detectors and Mask2Former pixel decoders with mmdet's own forward",
+    "batched_losses": "DETR-family heads (DDQ-DETR's included) whose losses are mmdet's FocalLoss, L1Loss and "
+                      "GIoULoss, with their matching solved ahead",
+    "cuda_graphs": "Deformable-DETR-family and Mask2Former detectors with mmdet's own training loss",
+    "relu_dropout_fusion": "mmcv FFNs with a ReLU and a dropout of probability between 0 and 1",
+    "ffn_recompute": "mmcv FFNs without dropout",
+}
 
 
 def _distributed_over_processes() -> bool:
@@ -103,6 +124,10 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
         changed["batched_losses"] = sum(enable_batched_losses(head) or enable_grounding_batched_losses(head)
                                         for head in model.modules()
                                         if "loss_by_feat" in vars(head) and hasattr(head, "assigner"))
+        # DDQ-DETR's head: its matching and its losses in one pass, both switches at once.
+        ddq_heads = enable_ddq_one_pass_losses(model)
+        changed["batched_matching"] += ddq_heads
+        changed["batched_losses"] += ddq_heads
     # Before the graphs capture the network; the fusion first, so that recomputation takes the FFNs left.
     if paths.relu_dropout_fusion:
         changed["relu_dropout_fusion"] = enable_relu_dropout_fusion(model)
@@ -115,4 +140,17 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
             split = _distributed_over_processes() and gradient_slots is None
         changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split, gradient_slots=gradient_slots,
                                                     policy=capture_policy)
+    # Logged, not warned: the shared configs select switches that some families have nothing for (DINO's FFNs have no
+    # dropout to fuse).
+    for note in unchanged_notes(model, changed):
+        print_log(note, logger="current", level=logging.INFO)
     return changed
+
+
+def unchanged_notes(model: nn.Module, changed: Dict[str, int]) -> List[str]:
+    """One line per switch of ``changed`` (:func:`apply_fast_paths`' result) that changed nothing in ``model``:
+    the switch, the model and what the switch looks for."""
+    name = type(getattr(model, "module", model)).__name__
+    return [f"deform_plugin: fast path {switch} changes nothing in {name}: it finds none of the "
+            f"{_WHAT_EACH_SWITCH_CHANGES[switch]} it changes; that part of {name} runs as stock"
+            for switch, count in changed.items() if count == 0]

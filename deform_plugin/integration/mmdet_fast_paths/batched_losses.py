@@ -146,13 +146,18 @@ def _image_factors(batch_img_metas, bbox_preds: torch.Tensor) -> torch.Tensor:
 
 
 def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_instances, batch_img_metas,
-                 solved: Dict) -> Optional[List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+                 solved: Dict, selected: Optional[np.ndarray] = None
+                 ) -> Optional[List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
     """``loss_by_feat_single``'s ``(loss_cls, loss_bbox, loss_iou)`` of every layer of ``scores`` ``(L, B, Q, C)``
     and ``bbox_preds`` ``(L, B, Q, 4)`` in one pass, from the assignments in ``solved``; None when an assignment
-    is missing (the caller then runs the stock per-layer calls)."""
+    is missing (the caller then runs the stock per-layer calls). ``selected`` (``(L, B, Q)`` bools on the host;
+    None: every query): the queries each layer's loss takes, as though the others had been cut out (DDQ-DETR's
+    distinct queries); the others are weighted 0 and counted nowhere."""
     host_gt_inds = _host_gt_inds(solved, scores, batch_gt_instances)
     if host_gt_inds is None:
         return None
+    if selected is not None:
+        host_gt_inds = np.where(selected, host_gt_inds, -1)
     num_layers, batch, num_queries, num_classes = scores.shape
     device = scores.device
     num_pos = (host_gt_inds > 0).reshape(num_layers, -1).sum(1)
@@ -161,7 +166,8 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     factors = _image_factors(batch_img_metas, bbox_preds)  # (B, 4): w, h, w, h
     gt_dtype = batch_gt_instances[0].bboxes.dtype
     target_boxes, target_labels = _padded_targets(batch_gt_instances, factors, head.num_classes)
-    rows = _to_device_without_blocking(torch.from_numpy(host_gt_inds), device)  # (L, B, Q) gt index per query
+    # (L, B, Q) gt index per query, row 0 (background) for the queries left out
+    rows = _to_device_without_blocking(torch.from_numpy(np.maximum(host_gt_inds, 0)), device)
     labels = target_labels.unsqueeze(0).expand(num_layers, -1, -1).gather(2, rows)
     bbox_targets = target_boxes.unsqueeze(0).expand(num_layers, -1, -1, -1).gather(
         2, rows.unsqueeze(-1).expand(-1, -1, -1, 4))
@@ -170,7 +176,11 @@ def layer_losses(head, scores: torch.Tensor, bbox_preds: torch.Tensor, batch_gt_
     # Classification: mmdet's focal loss per element (loss_weight included), summed per layer.
     cls_avg = num_pos * 1.0 + num_neg * head.bg_cls_weight
     flat_scores = scores.reshape(-1, num_classes)
-    label_weights = flat_scores.new_ones(flat_scores.shape[0], dtype=gt_dtype)
+    if selected is None:
+        label_weights = flat_scores.new_ones(flat_scores.shape[0], dtype=gt_dtype)
+    else:
+        label_weights = _to_device_without_blocking(torch.from_numpy(host_gt_inds.reshape(-1) >= 0), device).to(
+            gt_dtype)
     cls_elements = focal_loss_elements(head.loss_cls, flat_scores, labels.reshape(-1), label_weights)
     cls_sums = cls_elements.reshape(num_layers, -1).sum(1)
 

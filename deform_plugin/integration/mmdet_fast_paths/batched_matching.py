@@ -15,7 +15,7 @@ pass for all images launches a quarter of the kernels of one pass per image and 
 from __future__ import annotations
 
 import inspect
-from typing import Dict, List, NamedTuple, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -25,7 +25,7 @@ from torch.profiler import record_function
 from .matching import (_PredictionKey, _bbox_l1_cost, _cost_matrix, _detr_heads, _iou_cost, _prediction_key, _solve,
                        host_solves, image_size_factor, image_size_factors)
 
-__all__ = ["LaunchedCosts", "costs_to_host", "enable_batched_matching", "launch_costs", "solve_ahead",
+__all__ = ["LaunchedCosts", "costs_to_host", "enable_batched_matching", "focal_cost", "launch_costs", "solve_ahead",
            "solve_launched_costs"]
 
 
@@ -56,6 +56,11 @@ class LaunchedCosts(NamedTuple):
     """A pass's cost matrices, flattened per block, and per block its images' (gt instances, views) and shape."""
     flat_costs: List[torch.Tensor]
     blocks: List[Tuple[list, Tuple[int, int, int]]]
+
+    @property
+    def num_elements(self) -> int:
+        """How many cost elements the pass copies to the host."""
+        return sum(cost.numel() for cost in self.flat_costs)
 
 
 def launch_costs(assigner, prediction_sets, batch_gt_instances, batch_img_metas,
@@ -91,12 +96,21 @@ def launch_costs(assigner, prediction_sets, batch_gt_instances, batch_img_metas,
     return LaunchedCosts(flat_costs, blocks)
 
 
-def solve_launched_costs(costs: LaunchedCosts) -> Dict[_PredictionKey, np.ndarray]:
-    """:func:`solve_ahead`'s second half: the one copy to the host (it waits for the device), then the solves."""
+def solve_launched_costs(costs: LaunchedCosts, host: Optional[np.ndarray] = None,
+                         selected_rows: Optional[Dict[_PredictionKey, np.ndarray]] = None
+                         ) -> Dict[_PredictionKey, np.ndarray]:
+    """:func:`solve_ahead`'s second half: the one copy to the host (it waits for the device), then the solves.
+
+    ``host``: the pass's costs, copied already (the start of a larger copy made with :func:`costs_to_host`).
+    ``selected_rows``: per prediction set (keyed as ``assign`` would see it) that is matched on some of its queries
+    only (DDQ-DETR's distinct queries), those queries (bools on the host): the assignment is solved on their rows,
+    as ``assign`` would see them selected, and the other queries get gt index -1 (no target, no loss)."""
     if not costs.flat_costs:
         return {}
-    with record_function("deform_plugin::matching.wait_and_copy_to_host"):
-        host = costs_to_host(costs.flat_costs)
+    if host is None:
+        with record_function("deform_plugin::matching.wait_and_copy_to_host"):
+            host = costs_to_host(costs.flat_costs)
+    selected_rows = selected_rows or {}
     solved = {}
     with host_solves():
         offset = 0
@@ -107,7 +121,15 @@ def solve_launched_costs(costs: LaunchedCosts) -> Dict[_PredictionKey, np.ndarra
                 cost = cost[:, :len(gt_instances)]  # a batched block pads the gts to the most of its images
                 row = 0
                 for scores, _ in views:
-                    solved[_prediction_key(scores, gt_instances)] = _solve(cost[row:row + scores.shape[0]])
+                    key = _prediction_key(scores, gt_instances)
+                    view_cost = cost[row:row + scores.shape[0]]
+                    selected = selected_rows.get(key)
+                    if selected is None:
+                        solved[key] = _solve(view_cost)
+                    else:
+                        gt_inds = np.full(scores.shape[0], -1, dtype=np.int64)
+                        gt_inds[selected] = _solve(view_cost[selected])
+                        solved[key] = gt_inds
                     row += scores.shape[0]
     return solved
 
@@ -141,11 +163,7 @@ def _batched_cost_matrices(assigner, problems) -> torch.Tensor:
     costs = []
     for cost in assigner.match_costs:
         if type(cost) is FocalLossCost:
-            probabilities = scores.sigmoid()
-            negative = -(1 - probabilities + cost.eps).log() * (1 - cost.alpha) * probabilities.pow(cost.gamma)
-            positive = -(probabilities + cost.eps).log() * cost.alpha * (1 - probabilities).pow(cost.gamma)
-            labels = gt_labels[:, None, :].expand(-1, scores.shape[1], -1)
-            costs.append((positive.gather(2, labels) - negative.gather(2, labels)) * cost.weight)
+            costs.append(focal_cost(cost, scores, gt_labels))
         elif type(cost) is BBoxL1Cost:
             costs.append(_bbox_l1_cost(cost, boxes, gt_boxes, metas))
         elif type(cost) is IoUCost:
@@ -153,6 +171,17 @@ def _batched_cost_matrices(assigner, problems) -> torch.Tensor:
         else:
             raise TypeError(f"{type(cost).__name__} has no batched form (see _batchable)")
     return torch.stack(costs).sum(dim=0).detach()
+
+
+def focal_cost(match_cost, scores: torch.Tensor, gt_labels: torch.Tensor) -> torch.Tensor:
+    """mmdet 3.3.0's ``FocalLossCost`` (``binary_input=False``) of ``(images, rows, C)`` scores against each image's
+    ``(images, T)`` gt labels: ``(images, rows, T)``, each element by mmdet's arithmetic."""
+    probabilities = scores.sigmoid()
+    negative = -(1 - probabilities + match_cost.eps).log() * (1 - match_cost.alpha) * probabilities.pow(
+        match_cost.gamma)
+    positive = -(probabilities + match_cost.eps).log() * match_cost.alpha * (1 - probabilities).pow(match_cost.gamma)
+    labels = gt_labels[:, None, :].expand(-1, scores.shape[1], -1)
+    return (positive.gather(2, labels) - negative.gather(2, labels)) * match_cost.weight
 
 
 def costs_to_host(flat_costs: Sequence[torch.Tensor]) -> np.ndarray:

@@ -75,6 +75,22 @@ class _CallWithParameters(torch.nn.Module):
         return self.fn(*inputs)
 
 
+def _parameter_slots(module: torch.nn.Module, aliases: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """For ``torch.func.functional_call``: every place in ``module`` that holds a parameter of ``aliases`` (keyed by
+    the parameter's id), each named once, with its alias.
+
+    A module registered under several names (Deformable-DETR's class and box branches shared by every decoder layer)
+    is one place, named once: functional_call's own handling of tied weights sets and restores such a module's
+    attribute once per name, and leaves the alias in it. Distinct modules sharing one parameter are one place each.
+    """
+    slots = {}
+    for module_name, submodule in module.named_modules():  # every distinct module once
+        for name, parameter in submodule.named_parameters(recurse=False):
+            if id(parameter) in aliases:
+                slots[f"{module_name}.{name}" if module_name else name] = aliases[id(parameter)]
+    return slots
+
+
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx, region: "GraphedRegion", entry: _Captured, num_inputs: int, *inputs_and_params):
@@ -272,13 +288,13 @@ class GraphedRegion:
         # The capture differentiates fresh leaves that share the parameters' storage (so replays read the current
         # weights): the parameters' own autograd accumulators belong to the eager stream, and the backward engine
         # would synchronise the capturing stream with it, which a capture cannot do.
-        aliases = {name: p.detach().requires_grad_() for name, p in named}
+        aliases = {id(p): p.detach().requires_grad_() for _, p in named}
         holder = _CallWithParameters(self.module, self.fn)
+        replaced = _parameter_slots(holder, aliases)
         captured = {}
 
         def run_forward():
-            outputs, constants = torch.func.functional_call(
-                holder, {f"module.{name}": alias for name, alias in aliases.items()}, region_inputs)
+            outputs, constants = torch.func.functional_call(holder, replaced, region_inputs, tie_weights=False)
             captured["differentiable"] = self._keep_outputs(entry, outputs, constants)
 
         def run_backward():

@@ -130,7 +130,15 @@ def _mask2former_region_and_tail(detector):
         batch_gt_instances = head.preprocess_gt(batch_gt_instances, batch_gt_semantic_segs)
         return head.loss_by_feat(outputs["all_cls_scores"], outputs["all_mask_preds"], batch_gt_instances,
                                  batch_img_metas)
-    return _GraphedLoss(network, _pixels_only, tail)
+
+    def region_inputs(batch_inputs, batch_data_samples):
+        # A head whose ground truth is made without syncs (batched_matching) queues its host copy of the panoptic
+        # stuff classes here, ahead of the forward: the tail then waits for that copy, not for the forward.
+        copy_targets_ahead = getattr(head, "copy_targets_ahead", None)
+        if copy_targets_ahead is not None:
+            copy_targets_ahead(batch_data_samples)
+        return _pixels_only(batch_inputs, batch_data_samples)
+    return _GraphedLoss(network, region_inputs, tail)
 
 
 def _detr_region_and_tail(detector):

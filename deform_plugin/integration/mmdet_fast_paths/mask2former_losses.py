@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch.profiler import record_function
 
 from .batched_matching import costs_to_host
+from .mask2former_targets import enable_mask2former_sync_free_targets
 from .matching import _cost_matrix, _solve, _to_device_without_blocking, host_solves
 
 
@@ -360,11 +361,13 @@ def _batchable_mask2former_head(head) -> bool:
 
 
 def enable_mask2former_batched_matching(model: torch.nn.Module) -> int:
-    """Give every stock Mask2Former head in ``model`` the one-pass matching and sync-free losses (an instance
-    attribute: the class stays stock). Returns the number of heads changed."""
+    """Give every stock Mask2Former head in ``model`` the one-pass matching and sync-free losses, and the ground truth
+    (panoptic stuff classes included) made without host syncs (:mod:`.mask2former_targets`); instance attributes:
+    the class stays stock. Returns the number of heads changed."""
     changed = 0
     for module in model.modules():
         if _batchable_mask2former_head(module):
             module.loss_by_feat = mask2former_loss_by_feat_batched.__get__(module)
+            enable_mask2former_sync_free_targets(module)
             changed += 1
     return changed

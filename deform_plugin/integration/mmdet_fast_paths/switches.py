@@ -26,12 +26,14 @@ class FastPaths:
             without blocking; DETR-family heads take their positive/negative query indices from that host copy
             instead of two ``nonzero()`` syncs.
         batched_matching: every decoder layer's matching of a step in one cost pass and one copy to the host (for
-            Mask2Former with its losses made sync-free); needs ``hungarian_host_syncs``.
+            Mask2Former with its losses and ground truth made sync-free; for DDQ-DETR only with ``batched_losses``);
+            needs ``hungarian_host_syncs``.
         sync_free_losses: the DETR heads' per-layer loss normalisers without host syncs.
         sync_free_forward: Deformable-DETR's, DINO's and Mask2Former's forward without host syncs (level tables
             made on the host, the host's sizes walked instead of the device's).
         batched_losses: every decoder layer's DETR loss (focal, L1, GIoU) of a step in one pass over all layers,
-            from the assignments solved ahead, DINO's denoising losses in one pass as well; needs
+            from the assignments solved ahead, DINO's denoising losses in one pass as well (DDQ-DETR's head: its
+            whole loss, the dense queries' included, with all of the step's matching in one copy); needs
             ``batched_matching``.
         cuda_graphs: the network's training forward and backward replayed from CUDA graphs, one pair per input
             shape (Deformable-DETR, DINO, Grounding-DINO with its BERT, Mask2Former); needs ``sync_free_forward``.

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 import pytest
-from train_benchmark_cases import FAST_DDETR, FAST_MASK2FORMER, PANOPTIC, REPO_ROOT, merged_overlay
+from train_benchmark_cases import (FAST_DDETR, FAST_DDQ, FAST_MASK2FORMER, FAST_PANOPTIC, PANOPTIC, REPO_ROOT,
+                                   merged_overlay)
 
 from deform_plugin.benchmarks.detector import train_overlay, user_path
 
@@ -53,6 +54,19 @@ def test_our_overlay_keeps_the_plugin_pieces(tmp_path, source):
     assert cfg.train_cfg.type == "IterBasedTrainLoop" and "dynamic_intervals" not in cfg.train_cfg
 
 
+def test_the_ddq_fast_config_gives_a_stock_and_our_overlay(tmp_path, source):
+    # Its FastPathsHook is written out in the config (not a fast_step.py value): the stock overlay still drops it.
+    base, stock = merged_overlay(tmp_path, FAST_DDQ, "stock:fp32", source)
+    user_path.check_supported(base, FAST_DDQ)
+    assert user_path.plugin_references(stock.to_dict()) == []
+    assert [hook.type for hook in stock.custom_hooks] == [user_path.TIMER_HOOK]
+    _, ours = merged_overlay(tmp_path, FAST_DDQ, "ours:bf16", source)
+    assert [hook.type for hook in ours.custom_hooks] == ["FastPathsHook", "ShapeBucketsHook", user_path.TIMER_HOOK]
+    for cfg in (stock, ours):
+        assert cfg.model.type == "DDQDETR" and cfg.model.backbone.init_cfg is None
+        assert cfg.train_dataloader.dataset.pipeline == base.train_dataloader.dataset.pipeline
+
+
 def test_pretrained_init_cfgs_are_dropped_wherever_they_are():
     pretrained = dict(type="Pretrained", checkpoint="torchvision://resnet50")
     kaiming = dict(type="Kaiming", layer="Conv2d")
@@ -62,12 +76,23 @@ def test_pretrained_init_cfgs_are_dropped_wherever_they_are():
         init_cfg=[kaiming], backbone=dict(init_cfg=None), heads=[dict(type="H", init_cfg=None), dict(type="H")])
 
 
-def test_panoptic_and_non_coco_configs_are_refused():
-    with pytest.raises(user_path.UnsupportedConfig, match="panoptic PNG"):
-        user_path.check_supported(user_path.read_base_config(PANOPTIC), PANOPTIC)
+def test_each_config_reads_the_set_of_its_dataset_and_other_datasets_are_refused():
+    for config, kind in ((FAST_DDETR, "detection"), (FAST_MASK2FORMER, "detection"), (PANOPTIC, "panoptic"),
+                         (FAST_PANOPTIC, "panoptic")):
+        assert user_path.check_supported(user_path.read_base_config(config), config) == kind, config.name
     demo = REPO_ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
-    with pytest.raises(user_path.UnsupportedConfig, match="ShapesCocoDataset"):
+    with pytest.raises(user_path.UnsupportedConfig, match="ShapesCocoDataset: .*CocoDataset or CocoPanopticDataset"):
         user_path.check_supported(user_path.read_base_config(demo), demo)
+
+
+def test_panoptic_overlays_read_the_panoptic_pngs_through_the_configs_pipeline(tmp_path, panoptic_source):
+    for row in ("stock:fp32", "ours:bf16"):
+        base, cfg = merged_overlay(tmp_path, FAST_PANOPTIC, row, panoptic_source)
+        dataset = cfg.train_dataloader.dataset
+        assert dataset.type == "CocoPanopticDataset" and dataset.pipeline == base.train_dataloader.dataset.pipeline
+        assert (dataset.data_root, dataset.ann_file) == (panoptic_source.data_root, panoptic_source.ann_file)
+        assert dataset.data_prefix.to_dict() == dict(img=panoptic_source.image_dir, seg=panoptic_source.seg_dir)
+    assert [hook.type for hook in cfg.custom_hooks] == ["FastPathsHook", user_path.TIMER_HOOK]
 
 
 def test_default_windows_follow_the_iterations():

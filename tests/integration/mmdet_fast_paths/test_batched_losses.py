@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from detr_heads import detr_head, detr_loss_inputs, losses_and_gradients
+from detr_heads import DEFORMABLE_DETR_KINDS, TWO_STAGE_KINDS, detr_head, detr_loss_inputs, losses_and_gradients
 from host_transfers import cuda_syncs_of
 from torch import nn
 
@@ -12,7 +12,7 @@ import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 
 
-@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("kind", [*DEFORMABLE_DETR_KINDS, "dino"])
 @pytest.mark.parametrize("num_gts", [(3, 5), (0, 4), (0, 0)], ids=["gts3-5", "gts0-4", "gts0-0"])
 def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monkeypatch):
     from deform_plugin.integration.mmdet_fast_paths import batched_losses, batched_matching
@@ -47,8 +47,9 @@ def test_batched_losses_give_the_stock_losses_and_gradients(kind, num_gts, monke
         torch.testing.assert_close(fast[name], stock[name], rtol=1e-6, atol=1e-7, msg=name)
     for name in stock_grads:
         torch.testing.assert_close(fast_grads[name], stock_grads[name], rtol=1e-6, atol=1e-8, msg=name)
-    # The decoder layers in one pass, the encoder's proposals in another (Deformable-DETR's against class-0 gts).
-    assert passes == [3, 1]
+    # The decoder layers in one pass, the two-stage encoder's proposals in another (Deformable-DETR's against class-0
+    # gts); plain and refine Deformable-DETR have no proposals.
+    assert passes == ([3, 1] if kind in TWO_STAGE_KINDS else [3])
     # Their cost matrices (the decoder layers' of every image with gts and, for two-stage Deformable-DETR, the
     # proposals': one block each) reach the host in one copy.
     images_with_gts = sum(n > 0 for n in num_gts)
@@ -122,7 +123,7 @@ def _stock_and_batched_heads(kind, device="cpu"):
     return stock_head, fast_head
 
 
-@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("kind", [*DEFORMABLE_DETR_KINDS, "dino"])
 def test_fast_detr_losses_assign_no_python_scalar_by_index(kind):
     # `x[index] = 1.0` on a CUDA tensor copies the scalar to the device with a blocking copy in torch <= 2.11 (the
     # GPU hosts' torch): one host sync per call, which the CUDA count below found per image in DINO's denoising
@@ -144,7 +145,7 @@ def test_fast_detr_losses_assign_no_python_scalar_by_index(kind):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
-@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("kind", [*DEFORMABLE_DETR_KINDS, "dino"])
 def test_fast_detr_losses_wait_for_the_gpu_once_on_cuda(kind):
     stock_head, fast_head = _stock_and_batched_heads(kind, device="cuda")
     inputs = detr_loss_inputs(kind, (3, 5))
@@ -157,7 +158,7 @@ def test_fast_detr_losses_wait_for_the_gpu_once_on_cuda(kind):
     assert syncs[0] >= 3 * 2 * 3 and syncs[1] == 1, syncs
 
 
-@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("kind", [*DEFORMABLE_DETR_KINDS, "dino"])
 def test_fast_detr_losses_wait_for_the_gpu_once(kind):
     """The calls of a head's loss and backward that would block the host on a GPU (recorded on the CPU): stock's
     per-layer matching and targets make dozens; the fast paths leave the one copy of every cost matrix."""

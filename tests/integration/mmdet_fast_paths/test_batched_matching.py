@@ -4,14 +4,14 @@ import copy
 
 import pytest
 import torch
-from detr_heads import detr_head, detr_loss_inputs, random_boxes
+from detr_heads import DEFORMABLE_DETR_KINDS, detr_head, detr_loss_inputs, random_boxes
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 
 
-@pytest.mark.parametrize("kind", ["deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("kind", [*DEFORMABLE_DETR_KINDS, "dino"])
 @pytest.mark.parametrize("num_gts", [(3, 5), (0, 4)], ids=["gts3-5", "gts0-4"])
 def test_batched_matching_and_sync_free_losses_give_the_stock_losses_bitwise(kind, num_gts, monkeypatch):
     from deform_plugin.integration.mmdet_fast_paths import batched_matching, matching

@@ -50,6 +50,36 @@ def test_graphed_region_replays_equal_eager_and_accumulate_gradients(at_first_ca
         assert (region.eager_calls, region.replays, len(region.captured), region.first_call_captures) == (2, 4, 2, 0)
 
 
+@pytest.mark.parametrize("sharing", ["one-module-twice", "tied-parameters"])
+def test_shared_parameters_stay_the_modules_own_through_captures(sharing):
+    # Plain Deformable-DETR registers one class branch under every decoder layer's name; other models tie one
+    # parameter into several modules. Either way the capture's aliases must leave every module holding its own
+    # parameters (those the optimizer updates), and the replayed gradients must reach them.
+    torch.manual_seed(0)
+    branches = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)]).double()
+    if sharing == "one-module-twice":
+        branches[1] = branches[0]
+    else:
+        branches[1].weight = branches[0].weight
+    eager_branches = copy.deepcopy(branches)
+
+    def region_fn(layers):
+        return lambda x: (dict(out=layers[1](torch.tanh(layers[0](x)))), None)
+    region = EmulatedGraphRegion(region_fn(branches), branches, name="shared branches")
+    originals = [(module, name, parameter) for module in branches
+                 for name, parameter in module.named_parameters(recurse=False)]
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for call in range(3):  # warm-up, capture, replay
+        for layers, call_fn in ((branches, region), (eager_branches, region_fn(eager_branches))):
+            layers.zero_grad(set_to_none=True)
+            outputs, _ = call_fn(x * (call + 1))
+            outputs["out"].square().sum().backward()
+        assert all(getattr(module, name) is parameter for module, name, parameter in originals)
+        for ours, theirs in zip(branches.parameters(), eager_branches.parameters()):
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+    assert (region.eager_calls, region.replays, len(region.captured)) == (1, 2, 1)
+
+
 class _FailingFirstCaptureRegion(EmulatedGraphRegion):
     """Captures of a signature that has not run eagerly fail (as where a library must run to choose a plan)."""
 

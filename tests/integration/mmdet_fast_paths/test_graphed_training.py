@@ -1,8 +1,8 @@
 """Graph-replayed training of the detectors gives the eager step's losses and gradients.
 
-- on the CPU, the captured region of Deformable-DETR two-stage, DINO (padding masks from a device tensor of image
-  sizes; DINO's denoising queries padded to a fixed count) and Mask2Former, run eagerly and replayed from emulated
-  graphs, gives the stock ``loss`` to float64 rounding (Mask2Former: float32), dropout included;
+- on the CPU, the captured region of Deformable-DETR (plain and two-stage), DINO (padding masks from a device tensor
+  of image sizes; DINO's denoising queries padded to a fixed count) and Mask2Former, run eagerly and replayed from
+  emulated graphs, gives the stock ``loss`` to float64 rounding (Mask2Former: float32), dropout included;
 - on a GPU, real CUDA graphs: losses and gradients over optimizer steps and two input shapes equal eager.
 """
 import copy
@@ -11,7 +11,7 @@ import pytest
 import stock_worker
 import torch
 from emulated_graphs import EmulatedGraphRegion
-from small_detectors import DETECTOR_CONFIGS, small_detector
+from small_detectors import DETECTOR_CONFIGS, PANOPTIC_STUFF, PANOPTIC_THINGS, small_detector
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
@@ -19,18 +19,32 @@ from deform_plugin.cuda_graphs import CapturePolicy
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 
 def _training_batch(height=224, width=256, sizes=((224, 256), (200, 232)), seed=0, device="cpu",
-                    dtype=torch.float64):
-    from mmengine.structures import InstanceData
+                    dtype=torch.float64, panoptic=False):
+    """A batch with random boxes and their masks; ``panoptic``: labels of the small panoptic detector's things and
+    each image's semantic map (its things, one or two stuff classes in bands, void elsewhere), as mmdet's
+    ``LoadPanopticAnnotations`` and the padding data preprocessor make them (int32, 255 for void and padding)."""
+    from mmengine.structures import InstanceData, PixelData
     inputs, samples = stock_worker.detection_inputs(batch=len(sizes), height=height, width=width, seed=seed)
     generator = torch.Generator().manual_seed(seed + 1)
-    for sample, (h, w), num_gts in zip(samples, sizes, (3, 5, 2, 4)):
+    num_thing_classes = PANOPTIC_THINGS if panoptic else 80
+    for index, (sample, (h, w), num_gts) in enumerate(zip(samples, sizes, (3, 5, 2, 4))):
         sample.set_metainfo(dict(img_shape=(h, w), ori_shape=(h, w)))
         centre = torch.rand(num_gts, 2, generator=generator) * 0.6 + 0.2
         half = torch.rand(num_gts, 2, generator=generator) * 0.15 + 0.05
         boxes = torch.cat([centre - half, centre + half], 1) * torch.tensor([w, h, w, h])
-        sample.gt_instances = InstanceData(bboxes=boxes.to(device=device, dtype=dtype),
-                                           labels=torch.randint(0, 80, (num_gts,), generator=generator).to(device),
-                                           masks=_box_masks(boxes, height, width))
+        labels = torch.randint(0, num_thing_classes, (num_gts,), generator=generator)
+        masks = _box_masks(boxes, height, width)
+        sample.gt_instances = InstanceData(bboxes=boxes.to(device=device, dtype=dtype), labels=labels.to(device),
+                                           masks=masks)
+        if panoptic:
+            sem_seg = torch.full((height, width), 255, dtype=torch.int32)
+            first_stuff = PANOPTIC_THINGS + (seed + index) % PANOPTIC_STUFF
+            sem_seg[:h // 3, :w] = first_stuff
+            if index == 0:  # a second stuff class below the first image's things
+                sem_seg[2 * h // 3:h, :w] = PANOPTIC_THINGS + (seed + 1) % PANOPTIC_STUFF
+            for label, mask in zip(labels.tolist(), torch.from_numpy(masks.masks).bool()):
+                sem_seg[mask] = label
+            sample.gt_sem_seg = PixelData(sem_seg=sem_seg[None].to(device))
     return inputs.to(device=device, dtype=dtype), samples
 
 
@@ -53,18 +67,32 @@ def _loss_and_grads(detector, inputs, samples, seed=3):
 
 
 # mmdet's Mask2Former losses compare float32 ground-truth masks with points of the default dtype: float64 fails in
-# stock mmdet. The other two run in float64.
-_TEST_DTYPES = {"deformable-detr-two-stage": torch.float64, "dino": torch.float64, "mask2former": torch.float32}
+# stock mmdet. The DETRs run in float64.
+_TEST_DTYPES = {name: torch.float32 if name.startswith("mask2former") else torch.float64 for name in DETECTOR_CONFIGS}
 # Fewer layers than the configs' (see small_detector): the DETRs keep two encoder and two decoder layers, so that a
 # layer runs on what another hands it (the refined reference points); Mask2Former one pixel-decoder layer and one round
 # of three transformer-decoder layers over its feature levels (each on the masks of the one before). Narrow FFNs
 # (256 channels): the fused and the recomputed FFNs run the same code at any width.
-_TEST_LAYERS = {"deformable-detr-two-stage": 2, "dino": 2, "mask2former": 1}
+_TEST_LAYERS = {name: 1 if name.startswith("mask2former") else 2 for name in DETECTOR_CONFIGS}
+# (padded height, each image's size) of the batches (160 px wide). Same padded shape, other image sizes: the first
+# call runs the region eagerly (the warm-up), the second captures, all replay after; then another padded shape,
+# captured at its first call. (Small images: the two-stage encoders still have more tokens, 376 to 426, than their
+# top-k takes queries, 100.)
+_BATCHES = [(128, ((128, 160), (112, 136))), (128, ((96, 160), (128, 80))), (128, ((128, 120), (128, 160))),
+            (112, ((112, 160), (84, 124)))]
+# Plain Deformable-DETR differs from the two-stage variant in its region's pieces only: no proposals (the queries'
+# reference points come from their embeddings), one class and box branch registered under every decoder layer's
+# name: the warm-up and a first-call capture of another shape. The refine variant has nothing of its own (its
+# branches are two-stage's, its decoder plain's): the GPU test below runs it.
+# The panoptic Mask2Former's region is the instance one's; its tail makes stuff targets from the semantic maps (their
+# stuff classes copied to the host ahead of the forward): the same two batches.
+_SHORT_RUNS = {"deformable-detr": [0, 3], "mask2former-panoptic": [0, 3]}
+_CPU_REPLAY_DETECTORS = [name for name in DETECTOR_CONFIGS if name != "deformable-detr-refine"]
 
 
 # DINO also with its backbone and neck graphed as a region of their own, as the DETRs run under DDP (DINO's region
 # takes the most inputs; Deformable-DETR's passes the features the same way). Mask2Former keeps one region.
-@pytest.mark.parametrize("name,split", [(name, False) for name in DETECTOR_CONFIGS] + [("dino", True)])
+@pytest.mark.parametrize("name,split", [(name, False) for name in _CPU_REPLAY_DETECTORS] + [("dino", True)])
 def test_replays_give_the_stock_losses_and_gradients_for_other_image_sizes(name, split):
     dtype = _TEST_DTYPES[name]
     previous = torch.get_default_dtype()
@@ -83,12 +111,15 @@ def _check_replays_against_stock(name, dtype, split):
     # memory paths are captured and replayed too: Deformable-DETR's FFNs (dropout 0.1; one per encoder and decoder
     # layer) fuse their ReLU and dropout, DINO's and Mask2Former's (dropout 0) recompute their hidden layers in the
     # backward.
-    changed = apply_fast_paths(fast, cuda_graphs=True, batched_matching=name == "mask2former",
+    mask2former = name.startswith("mask2former")
+    changed = apply_fast_paths(fast, cuda_graphs=True, batched_matching=mask2former,
                                relu_dropout_fusion=True, ffn_recompute=True, split_graphs_at_features=split,
                                capture_policy=CapturePolicy(capture_after=1))
     assert changed["cuda_graphs"] == 1 and changed["sync_free_forward"] == 1  # the detector or the pixel decoder
-    assert changed["relu_dropout_fusion"] == (2 * layers if name == "deformable-detr-two-stage" else 0)
-    assert (changed["ffn_recompute"] > 0) == (name != "deformable-detr-two-stage")
+    # Deformable-DETR's FFNs draw dropout (fused), DINO's and Mask2Former's do not (recomputed).
+    deformable_detr = name.startswith("deformable-detr")
+    assert changed["relu_dropout_fusion"] == (2 * layers if deformable_detr else 0)
+    assert (changed["ffn_recompute"] > 0) == (not deformable_detr)
     assert changed.get("batched_matching", 1) == 1
     region = fast.graphed_training_region
     regions = fast.graphed_training_regions
@@ -105,22 +136,23 @@ def _check_replays_against_stock(name, dtype, split):
     # float32: the same kernels on the same values, up to the order of gradient accumulation.
     loss_tolerance, grad_tolerance = (dict(rtol=1e-10, atol=1e-12), dict(rtol=1e-8, atol=1e-10)) if (
         dtype == torch.float64) else (dict(rtol=1e-5, atol=1e-6), dict(rtol=1e-4, atol=1e-6))
-    # Same padded shape, other image sizes: the first call runs the region eagerly (the warm-up), the second
-    # captures, all replay after; then another padded shape, captured at its first call. (Small images: the two-stage
-    # encoders still have more tokens, 376 to 426, than their top-k takes queries, 100.)
-    for height, sizes in [(128, ((128, 160), (112, 136))), (128, ((96, 160), (128, 80))),
-                          (128, ((128, 120), (128, 160))), (112, ((112, 160), (84, 124)))]:
+    batches = [_BATCHES[index] for index in _SHORT_RUNS.get(name, range(len(_BATCHES)))]
+    for height, sizes in batches:
         inputs, samples = _training_batch(height=height, width=160, sizes=sizes, seed=len(sizes[0]) + sizes[1][0],
-                                          dtype=dtype)
+                                          dtype=dtype, panoptic=name == "mask2former-panoptic")
         expected, expected_grads = _loss_and_grads(stock, inputs, samples)
         got, got_grads = _loss_and_grads(fast, inputs, samples)
+        if mask2former:  # the ground truth made without syncs took the stuff classes queued ahead of the forward
+            assert "copy_targets_ahead" in vars(fast.panoptic_head)
+            assert "_stuff_classes_ahead" not in vars(fast.panoptic_head)
         for key in expected:
             torch.testing.assert_close(got[key], expected[key], **loss_tolerance, msg=key)
         for ours, theirs in zip(got_grads, expected_grads):
             if theirs is not None:
                 torch.testing.assert_close(ours, theirs, **grad_tolerance)
+    expected_counts = (1, 1, 1, 1) if name in _SHORT_RUNS else (1, 3, 2, 1)
     for each in regions:
-        assert (each.eager_calls, each.replays, len(each.captured), each.first_call_captures) == (1, 3, 2, 1)
+        assert (each.eager_calls, each.replays, len(each.captured), each.first_call_captures) == expected_counts
 
 
 @pytest.mark.parametrize("max_num_target", [0, 1, 3, 7, 25])
@@ -176,7 +208,7 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, slo
     # As the fast configs run them (Mask2Former's one-pass matching draws stock's random points in stock's order);
     # with gradient slots as FastPathsHook gives them to a model that DistributedDataParallel does not wrap.
     gradient_slots = ParameterGradientSlots(graphed.parameters()) if slots else None
-    apply_fast_paths(graphed, cuda_graphs=True, batched_matching=name == "mask2former",
+    apply_fast_paths(graphed, cuda_graphs=True, batched_matching=name.startswith("mask2former"),
                      split_graphs_at_features=split, gradient_slots=gradient_slots,
                      capture_policy=CapturePolicy(capture_after=1))
     regions = graphed.graphed_training_regions
@@ -185,7 +217,7 @@ def test_cuda_graph_training_matches_eager_over_optimizer_steps(name, split, slo
     shapes = [(224, 256), (224, 256), (256, 224), (224, 256), (256, 224), (256, 224), (224, 256)]
     for step, (h, w) in enumerate(shapes):
         inputs, samples = _training_batch(h, w, sizes=((h, w), (h - 32, w - 16 * step)), seed=step, device="cuda",
-                                          dtype=torch.float32)
+                                          dtype=torch.float32, panoptic=name == "mask2former-panoptic")
         # Both models hold the same weights at every step: the graphed one gets the eager one's in place, as an
         # optimizer would, so its replays must read the updated weights. (Stepping each model on its own
         # gradients would compare chaotic trajectories: an untrained two-stage top-k and matching are full of

@@ -63,3 +63,15 @@ def test_fast_paths_refuse_another_mmdet_version(monkeypatch):
     with pytest.raises(RuntimeError, match=r"mirrors private methods of mmdet 3.3.0, but mmdet 3.2.0 is installed"):
         apply_fast_paths(holder, batched_matching=True)
     assert apply_fast_paths(holder, sdpa_attention=True) == {"sdpa_attention": 0}
+
+
+def test_a_switch_that_changes_nothing_in_a_model_says_so(monkeypatch):
+    from deform_plugin.integration import mmdet_fast_paths
+    warnings = []
+    monkeypatch.setattr(mmdet_fast_paths, "print_log", lambda message, logger, level: warnings.append(message))
+    holder = nn.Module()
+    holder.bbox_head = detr_head("dino")
+    assert apply_fast_paths(holder, sdpa_attention=True, sync_free_losses=True) == {"sdpa_attention": 0,
+                                                                                     "sync_free_losses": 1}
+    assert warnings == ["deform_plugin: fast path sdpa_attention changes nothing in Module: it finds none of the "
+                        "mmcv MultiheadAttention bricks it changes; that part of Module runs as stock"]

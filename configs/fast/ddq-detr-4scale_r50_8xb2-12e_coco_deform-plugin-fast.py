@@ -1,0 +1,25 @@
+# DDQ-DETR-4scale R50 on deform_plugin's MSDA, with the step-level speedups that fit it (_base_/fast_step.py lists
+# them): exact but for ShapeBucketsHook's padding.
+_base_ = ['../ddq/ddq-detr-4scale_r50_8xb2-12e_coco_deform-plugin.py', './_base_/fast_step.py']
+
+custom_imports = {{_base_.fast_custom_imports}}
+optim_wrapper = {{_base_.fast_optim_wrapper}}
+default_hooks = {{_base_.fast_default_hooks}}
+train_dataloader = {{_base_.fast_train_dataloader}}
+model = {{_base_.fast_model}}
+model_wrapper_cfg = {{_base_.fast_model_wrapper_cfg}}
+# On: the decoder's self-attention through PyTorch SDPA; the head's whole loss in one pass (the distinct queries'
+# DETR losses, the encoder's, the denoising ones and DDQAuxLoss's on the dense queries), all of a step's Hungarian
+# matching (one-to-one and DDQAuxLoss's one-to-k) and the decoder's distinct-query masks in one copy to the host
+# (batched_losses, which brings batched_matching); the level tables made on the host (sync_free_forward); on CUDA,
+# the backbone, neck and encoder replayed from CUDA graphs, one pair per input shape (cuda_graphs); the FFNs, which
+# have no dropout, recompute their hidden layer in the backward (ffn_recompute).
+# Off: sync_free_losses (batched_losses computes every loss of DDQ's head, so the per-layer method it changes no
+# longer runs) and relu_dropout_fusion (no FFN has a dropout to fuse). cuda_graphs cannot take in the rest of the
+# network: the NMS that selects the distinct queries before the decoder and between its layers needs the host
+# (a data-dependent number of boxes kept), so the decoder, the head and the losses run eagerly.
+custom_hooks = [
+    dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, batched_losses=True,
+         sync_free_forward=True, cuda_graphs=True, ffn_recompute=True),
+    {{_base_.detr_shape_buckets}},
+]

@@ -1,0 +1,141 @@
+"""configs/fast/ddq-detr-...-fast.py: it loads and builds, its FastPathsHook selects the switches that fit DDQ-DETR,
+and a small DDQ-DETR built from it and switched by its hook gives the plain config's losses and gradients."""
+import copy
+import types
+
+import pytest
+import stock_worker
+import torch
+from ddq_heads import ddq_in_float64, flat_losses
+from emulated_graphs import EmulatedGraphRegion
+from small_detectors import REPO_ROOT, small_detector
+
+import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
+
+FAST_CONFIG = "configs/fast/ddq-detr-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"
+SWITCHES = dict(sdpa_attention=True, batched_matching=True, batched_losses=True, sync_free_forward=True,
+                cuda_graphs=True, ffn_recompute=True)
+
+
+def _fast_config():
+    from mmengine.config import Config
+    return Config.fromfile(str(REPO_ROOT / FAST_CONFIG))
+
+
+def test_the_fast_config_loads_and_builds_its_hooks():
+    # Its model is built (shrunk) in the test below.
+    from mmengine.registry import HOOKS
+
+    from deform_plugin.engine import FastPathsHook, ShapeBucketsHook, fast_path_switches_from_config
+    cfg = _fast_config()
+    assert fast_path_switches_from_config(cfg) == SWITCHES
+    assert cfg.optim_wrapper.constructor == "MergedParamGroupsOptimWrapperConstructor"
+    assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel")
+    assert cfg.model.data_preprocessor.non_blocking and cfg.train_dataloader.pin_memory
+    hooks = [HOOKS.build(hook) for hook in cfg.custom_hooks]
+    assert [type(hook) for hook in hooks] == [FastPathsHook, ShapeBucketsHook]
+    assert set(hooks[0].fast_paths.selected()) == set(SWITCHES)
+    assert cfg.model.type == "DDQDETR" and cfg.model.decoder.num_layers == 6
+
+
+def _training_batch(sizes, height=96, width=128, seed=0):
+    from mmengine.structures import InstanceData
+    inputs, samples = stock_worker.detection_inputs(batch=len(sizes), height=height, width=width, seed=seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    for sample, (h, w), num_gts in zip(samples, sizes, (3, 5)):
+        sample.set_metainfo(dict(img_shape=(h, w), ori_shape=(h, w)))
+        centre = torch.rand(num_gts, 2, generator=generator, dtype=torch.float64) * 0.6 + 0.2
+        half = torch.rand(num_gts, 2, generator=generator, dtype=torch.float64) * 0.15 + 0.05
+        sample.gt_instances = InstanceData(bboxes=torch.cat([centre - half, centre + half], 1) * torch.tensor(
+            [w, h, w, h]), labels=torch.randint(0, 80, (num_gts,), generator=generator))
+    return inputs, samples
+
+
+def _losses_and_gradients(detector, inputs, samples):
+    torch.manual_seed(3)  # the denoising queries are random
+    losses = flat_losses(detector.loss(inputs, copy.deepcopy(samples)))
+    params = [p for p in detector.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(sum(value.sum() for value in losses.values()), params, allow_unused=True)
+    return {name: value.detach() for name, value in losses.items()}, grads
+
+
+@pytest.fixture
+def float64():
+    with ddq_in_float64():
+        yield
+
+
+def test_the_fast_configs_switches_give_the_plain_configs_losses_and_gradients(float64):
+    from mmengine.registry import HOOKS
+    # Built from the fast config (shrunk: two encoder and two decoder layers, so that the second decoder layer takes
+    # the distinct queries the first's NMS kept; narrow FFNs; 30 queries, 45 dense ones); the plain config's model is
+    # the same (its config differs in the data preprocessor's copy only), with the same weights.
+    fast = small_detector("ddq", layers=2, feedforward_channels=256, queries=30, config=FAST_CONFIG)
+    stock = copy.deepcopy(fast)
+    hooks = [HOOKS.build(hook) for hook in _fast_config().custom_hooks]
+    hooks[0].before_run(types.SimpleNamespace(model=fast, hooks=hooks, optim_wrapper=None))
+    assert "loss" in vars(fast.bbox_head) and fast.data_preprocessor._deform_plugin_flips_channels
+    # The graphed region is the backbone, neck and encoder (DDQ's distinct-query NMS keeps the rest eager): CUDA
+    # graphs emulated on the CPU. The first call runs it eagerly (its kind's warm-up), the second captures it at
+    # once (ShapeBucketsHook is in the run) and replays it.
+    (region,) = fast.graphed_training_regions
+    region.__class__ = EmulatedGraphRegion
+    inputs, samples = _training_batch(((96, 128), (80, 104)))  # the second image padded
+    expected, expected_grads = _losses_and_gradients(stock, inputs, samples)
+    for _ in range(2):
+        got, got_grads = _losses_and_gradients(fast, inputs, samples)
+        assert list(got) == list(expected)
+        for name in expected:  # float64: SDPA and the one-pass sums differ from stock by rounding only
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-12, msg=name)
+        for ours, theirs in zip(got_grads, expected_grads):
+            assert (ours is None) == (theirs is None)
+            if theirs is not None:
+                torch.testing.assert_close(ours, theirs, rtol=1e-8, atol=1e-10)
+    assert (region.eager_calls, region.replays, len(region.captured)) == (1, 1, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_on_cuda_the_fast_step_follows_the_plain_step_over_optimizer_steps():
+    from host_transfers import cuda_syncs_of
+
+    from deform_plugin.cuda_graphs import CapturePolicy
+    from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+    stock = small_detector("ddq", dtype=torch.float32, layers=2, feedforward_channels=256, queries=30).cuda()
+    fast = copy.deepcopy(stock)
+    apply_fast_paths(fast, capture_policy=CapturePolicy(capture_after=1), **SWITCHES)
+    (region,) = fast.graphed_training_regions
+    optimizer = torch.optim.SGD([p for p in stock.parameters() if p.requires_grad], lr=1e-3)
+
+    def step(model, inputs, samples):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        losses = flat_losses(model.loss(inputs, copy.deepcopy(samples)))
+        total = sum(value.sum() for value in losses.values())
+        total.backward()
+        return float(total), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    syncs = None
+    for index, sizes in enumerate([((128, 160), (112, 136)), ((96, 160), (128, 120)), ((128, 144), (128, 160))]):
+        inputs, samples = _training_batch(sizes, height=128, width=160, seed=index)
+        inputs = inputs.float().cuda()
+        for sample in samples:
+            sample.gt_instances = sample.gt_instances.to("cuda")
+            sample.gt_instances.bboxes = sample.gt_instances.bboxes.float()
+        with torch.no_grad():  # both models hold the same weights at every step, as the optimizer leaves them
+            for theirs, ours in zip(stock.parameters(), fast.parameters()):
+                ours.copy_(theirs)
+        (stock_total, stock_grads), (fast_total, fast_grads) = (step(model, inputs, samples)
+                                                                for model in (stock, fast))
+        optimizer.step()
+        assert abs(fast_total - stock_total) <= 1e-4 * abs(stock_total), (index, fast_total, stock_total)
+        assert len(fast_grads) == len(stock_grads)
+        difference = sum(float((f - s).norm() ** 2) for f, s in zip(fast_grads, stock_grads)) ** 0.5
+        assert difference <= 1e-3 * sum(float(s.norm() ** 2) for s in stock_grads) ** 0.5, index
+        if index == 2:
+            syncs = [cuda_syncs_of(lambda: step(model, inputs, samples)) for model in (stock, fast)]
+    # The first batch warmed the region's kind up eagerly; its padded shape was captured at the second and replayed
+    # at the third (and by the sync counts' calls).
+    assert (region.eager_calls, len(region.captured)) == (1, 1) and region.replays >= 2
+    # What is left waiting in the fast step: the NMS that selects the distinct queries (as many waits as stock's) and
+    # the loss's one copy (tests/integration/mmdet_fast_paths/test_ddq_losses.py counts the loss alone).
+    assert syncs[1] < syncs[0], syncs
