@@ -12,9 +12,9 @@ the padding is cut before the losses.
 What differs from the eager step: the denoising queries' random noise is drawn before the region runs, where stock
 draws it after the encoder, so random layers (Swin's drop path, the fusion layers' attention dropout, BERT's
 dropout) draw other numbers than an eager step of the same seed (the same distributions; without them the replayed
-losses and gradients are the eager ones to float rounding). Activation checkpointing (Swin's ``with_cp``, the encoder's fairscale ``num_cp``, BERT's own) is
-reentrant, which the captured ``torch.autograd.grad`` backward refuses: :func:`graph_blockers` names it, and
-``FastPathsHook`` refuses ``cuda_graphs`` while it is on.
+losses and gradients are the eager ones to float rounding). Activation checkpointing (Swin's ``with_cp``, the
+encoder's fairscale ``num_cp``, BERT's own) is reentrant, which the captured ``torch.autograd.grad`` backward
+refuses: :func:`graph_blockers` names it, and ``FastPathsHook`` refuses ``cuda_graphs`` while it is on.
 """
 from __future__ import annotations
 
