@@ -62,3 +62,18 @@ def small_detector(name, dtype=torch.float64, layers=None, feedforward_channels=
     model = stock_worker.build_msda_owner(cfg)
     model.init_weights()
     return model.to(dtype=dtype).train()
+
+
+def float64_nms_refusal():
+    """Why this environment's NMS cannot take the float64 boxes of a shrunk DDQ-DETR, or None where it can.
+
+    DDQ-DETR runs NMS inside its forward. mmcv's compiled CPU NMS reads its boxes as float32 and refuses float64;
+    mmcv-lite's stand-in takes any float dtype. The float64 comparisons of a whole DDQ-DETR need the latter.
+    """
+    from mmcv.ops import nms
+    boxes = torch.tensor([[0.0, 0.0, 4.0, 4.0], [1.0, 1.0, 5.0, 5.0]], dtype=torch.float64)
+    try:
+        nms(boxes, torch.tensor([0.9, 0.8], dtype=torch.float64), 0.5)
+    except RuntimeError as error:
+        return f"this mmcv's NMS refuses float64 boxes ({str(error).splitlines()[0]})"
+    return None
