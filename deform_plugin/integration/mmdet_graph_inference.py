@@ -43,7 +43,8 @@ from deform_plugin.cuda_graphs import (
     canvases_from_test_pipeline,
 )
 
-from .mmdet_fast_paths.graphed_training import detr_decoder, detr_encoder, image_sizes_tensor
+from .mmdet_fast_paths.graphed_inputs import image_sizes_tensor
+from .mmdet_fast_paths.graphed_training import detr_decoder, detr_encoder
 
 # The mmdet release whose MaskFormerHead.predict tail the MaskFormer post-processing below mirrors.
 from .mmdet_version import MIRRORED_MMDET_VERSION

@@ -22,8 +22,8 @@ from typing import List, Optional
 
 import torch
 
-from .graphed_training import (_cached_denoising_mask, _denoising_queries, _GraphedLoss, _padded_denoising_count,
-                               image_sizes_tensor)
+from .graphed_inputs import (GraphedLoss, cached_denoising_mask, denoising_queries, image_sizes_tensor,
+                             padded_denoising_count)
 from .matching import _to_device_without_blocking
 from .sync_free_forward import deformable_detr_pre_transformer_from_image_sizes
 
@@ -107,7 +107,7 @@ def _captions_and_positive_maps(detector, batch_data_samples):
     return captions, positive_maps
 
 
-def grounding_graphed_loss(detector) -> Optional[_GraphedLoss]:
+def grounding_graphed_loss(detector) -> Optional[GraphedLoss]:
     """Grounding-DINO's training step split around its captured region (see the module's doc); None where a piece
     differs from mmdet 3.3.0's or checkpointing is on (:func:`graph_blockers`)."""
     if graph_blockers(detector):
@@ -157,10 +157,10 @@ def grounding_graphed_loss(detector) -> Optional[_GraphedLoss]:
             sample.gt_instances.positive_maps = positive_map
             sample.gt_instances.text_token_mask = text["text_token_mask"][index].unsqueeze(0).repeat(
                 len(positive_map), 1)
-        label_query, bbox_query, group_size, dn_meta = _denoising_queries(generator, batch_data_samples)
+        label_query, bbox_query, group_size, dn_meta = denoising_queries(generator, batch_data_samples)
         num_denoising = dn_meta["num_denoising_queries"]
-        padded = _padded_denoising_count(generator, num_denoising)
-        mask = _cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, device)
+        padded = padded_denoising_count(generator, num_denoising)
+        mask = cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, device)
         pad = (0, 0, 0, padded - num_denoising)
         inputs = (batch_inputs, image_sizes_tensor(batch_data_samples, device), *(text[name] for name in TEXT_INPUTS),
                   torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), mask)
@@ -176,4 +176,4 @@ def grounding_graphed_loss(detector) -> Optional[_GraphedLoss]:
                                  outputs["enc_outputs_class"], outputs["enc_outputs_coord"],
                                  [sample.gt_instances for sample in batch_data_samples],
                                  [sample.metainfo for sample in batch_data_samples], dn_meta)
-    return _GraphedLoss(network, region_inputs, tail, splits_at_features=True)
+    return GraphedLoss(network, region_inputs, tail, splits_at_features=True)

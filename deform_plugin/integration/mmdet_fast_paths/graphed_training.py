@@ -32,24 +32,16 @@ and no autograd accumulation runs per parameter.
 """
 from __future__ import annotations
 
-import functools
-from typing import Callable, NamedTuple, Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
 from deform_plugin.cuda_graphs import CapturePolicy
 
+from .graphed_inputs import (GraphedLoss, cached_denoising_mask, denoising_queries, image_sizes_tensor,
+                             padded_denoising_count)
 from .graphed_region import GraphedRegion
-from .matching import image_size_factor
 from .sync_free_forward import deformable_detr_pre_transformer_from_image_sizes
-
-
-def image_sizes_tensor(batch_data_samples, device) -> torch.Tensor:
-    """Each image's (height, width) inside the batch, on ``device`` (copied without blocking)."""
-    sizes = torch.tensor([list(sample.img_shape[:2]) for sample in batch_data_samples], dtype=torch.int64)
-    if torch.device(device).type == "cuda":
-        sizes = sizes.pin_memory()
-    return sizes.to(device, non_blocking=True)
 
 
 def detr_encoder(detector, batch_inputs, image_sizes, features=None):
@@ -71,18 +63,6 @@ def detr_decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples=N
     return head_inputs
 
 
-class _GraphedLoss(NamedTuple):
-    """A detector's training loss split around its captured region: ``region_inputs(batch_inputs, samples)`` gives
-    the region's inputs and what the tail needs to know of them, ``region(*inputs)`` runs in the graph, and
-    ``tail(outputs, constants, samples, context)`` computes the losses eagerly. ``region`` takes ``features=`` (the
-    outputs of ``detector.extract_feat``) where ``splits_at_features``: its first input then only gives the batch's
-    padded shape."""
-    region: Callable
-    region_inputs: Callable
-    tail: Callable
-    splits_at_features: bool = False
-
-
 def _pixels_only(batch_inputs, batch_data_samples):
     return (batch_inputs,), None
 
@@ -91,7 +71,7 @@ def _pixels_and_image_sizes(batch_inputs, batch_data_samples):
     return (batch_inputs, image_sizes_tensor(batch_data_samples, batch_inputs.device)), None
 
 
-def _region_and_tail(detector) -> Optional[_GraphedLoss]:
+def _region_and_tail(detector) -> Optional[GraphedLoss]:
     """The captured function of ``detector``, how its inputs are made and the eager rest of its loss; or None if it
     has none of the known shapes."""
     from mmdet.models.detectors import GroundingDINO, MaskFormer
@@ -138,7 +118,7 @@ def _mask2former_region_and_tail(detector):
         if copy_targets_ahead is not None:
             copy_targets_ahead(batch_data_samples)
         return _pixels_only(batch_inputs, batch_data_samples)
-    return _GraphedLoss(network, region_inputs, tail)
+    return GraphedLoss(network, region_inputs, tail)
 
 
 def _detr_region_and_tail(detector):
@@ -169,7 +149,7 @@ def _detr_region_and_tail(detector):
                 batch_img_metas = [sample.metainfo for sample in batch_data_samples]
                 return head.loss_by_feat(*outputs["head_outputs"], outputs["enc_outputs_class"],
                                          outputs["enc_outputs_coord"], batch_gt_instances, batch_img_metas)
-            return _GraphedLoss(whole_network, _pixels_and_image_sizes, tail, splits_at_features=True)
+            return GraphedLoss(whole_network, _pixels_and_image_sizes, tail, splits_at_features=True)
 
         def transformer_only(batch_inputs, image_sizes, features=None):
             encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
@@ -177,7 +157,7 @@ def _detr_region_and_tail(detector):
 
         def head_tail(head_inputs, _, batch_data_samples, __):
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
-        return _GraphedLoss(transformer_only, _pixels_and_image_sizes, head_tail, splits_at_features=True)
+        return GraphedLoss(transformer_only, _pixels_and_image_sizes, head_tail, splits_at_features=True)
     if transformer is DINO.forward_transformer:
         whole = _dino_graphed_loss(detector)
         if whole is not None:
@@ -197,77 +177,11 @@ def _detr_region_and_tail(detector):
             decoder_inputs = dict(memory_mask=outputs["memory_mask"], valid_ratios=outputs["valid_ratios"], **tables)
             head_inputs = detr_decoder(detector, encoder_outputs, decoder_inputs, batch_data_samples)
             return detector.bbox_head.loss(**head_inputs, batch_data_samples=batch_data_samples)
-        return _GraphedLoss(backbone_and_encoder, _pixels_and_image_sizes, tail, splits_at_features=True)
+        return GraphedLoss(backbone_and_encoder, _pixels_and_image_sizes, tail, splits_at_features=True)
     return None
 
 
-def _denoising_queries(generator, batch_data_samples):
-    """mmdet 3.3.0's ``CdnQueryGenerator.__call__`` without its attention mask (the padded one is made here):
-    the label and box queries, each image's targets repeated in ``2 * num_groups`` groups, and the group size.
-    The image-size factors are copied without blocking and the queries collated from the host's target counts
-    (mmdet's ``new_tensor`` and its collation's reads of device counts each wait for the GPU); the same values."""
-    gt_labels_list, gt_bboxes_list = [], []
-    for sample in batch_data_samples:
-        bboxes = sample.gt_instances.bboxes
-        gt_bboxes_list.append(bboxes / image_size_factor(sample.metainfo, bboxes))
-        gt_labels_list.append(sample.gt_instances.labels)
-    gt_labels, gt_bboxes = torch.cat(gt_labels_list), torch.cat(gt_bboxes_list)
-    max_num_target = max(len(bboxes) for bboxes in gt_bboxes_list)
-    num_groups = generator.get_num_groups(max_num_target)
-    label_query = generator.generate_dn_label_query(gt_labels, num_groups)
-    bbox_query = generator.generate_dn_bbox_query(gt_bboxes, num_groups)
-    batch_idx = torch.cat([torch.full_like(labels.long(), i) for i, labels in enumerate(gt_labels_list)])
-    label_query, bbox_query = _collated_denoising_queries(generator, label_query, bbox_query, batch_idx,
-                                                          [len(labels) for labels in gt_labels_list], num_groups)
-    dn_meta = dict(num_denoising_queries=int(max_num_target * 2 * num_groups), num_denoising_groups=num_groups)
-    return label_query, bbox_query, 2 * max_num_target, dn_meta
-
-
-def _collated_denoising_queries(generator, label_query, bbox_query, batch_idx, num_targets, num_groups):
-    """mmdet 3.3.0's ``CdnQueryGenerator.collate_dn_queries`` with each image's target count from the host (mmdet
-    counts ``batch_idx == image`` on the device and reads the counts back)."""
-    device = label_query.device
-    max_num_target = max(num_targets)
-    num_denoising_queries = int(max_num_target * 2 * num_groups)
-    map_query_index = torch.cat([torch.arange(count, device=device) for count in num_targets])
-    map_query_index = torch.cat([map_query_index + max_num_target * i for i in range(2 * num_groups)]).long()
-    mapper = (batch_idx.repeat(2 * num_groups, 1).view(-1), map_query_index)
-    batch_size = len(num_targets)
-    batched_label_query = torch.zeros(batch_size, num_denoising_queries, generator.embed_dims, device=device)
-    batched_bbox_query = torch.zeros(batch_size, num_denoising_queries, 4, device=device)
-    batched_label_query[mapper] = label_query
-    batched_bbox_query[mapper] = bbox_query
-    return batched_label_query, batched_bbox_query
-
-
-def padded_denoising_mask(num_denoising: int, group_size: int, padded: int, num_matching: int,
-                          device) -> torch.Tensor:
-    """DINO's self-attention mask (True: may not attend) for ``num_denoising`` denoising queries in groups of
-    ``group_size``, padded with queries up to ``padded``, then ``num_matching`` matching queries. The real
-    queries' mask is mmdet's ``generate_dn_mask`` (a denoising query sees its group and the matching queries, a
-    matching query the matching queries); a padding query sees only itself, and no other query sees it."""
-    index = torch.arange(padded + num_matching, device=device)
-    denoising, matching = index < num_denoising, index >= padded
-    group = index // max(group_size, 1)
-    allowed = ((denoising[:, None] & ((denoising[None, :] & (group[:, None] == group[None, :])) | matching[None, :]))
-               | (matching[:, None] & matching[None, :]) | (index[:, None] == index[None, :]))
-    return ~allowed
-
-
-# A batch's mask depends on its largest target count only: a few recent ones are kept (1.2 MB each for DINO's 1100
-# queries), read by the graphs' input copies and never written.
-_cached_denoising_mask = functools.lru_cache(maxsize=16)(padded_denoising_mask)
-
-
-def _padded_denoising_count(generator, num_denoising: int) -> int:
-    """A fixed count of denoising queries for most batches: dynamic groups give at most ``2 * num_dn_queries``
-    (more only where an image has more targets than that); static ones grow in steps of 16 targets."""
-    step = 64 if generator.dynamic_dn_groups else 2 * generator.num_groups * 16
-    base = 2 * generator.num_dn_queries if generator.dynamic_dn_groups else step
-    return base if num_denoising <= base else -(-num_denoising // step) * step
-
-
-def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
+def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
     """DINO's whole network in the region, the denoising queries padded to a fixed count (see the module's doc);
     None where a piece differs from mmdet 3.3.0's."""
     from mmdet.models.dense_heads import DINOHead
@@ -303,10 +217,10 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
                     enc_outputs_coord=topk_coords), None
 
     def region_inputs(batch_inputs, batch_data_samples):
-        label_query, bbox_query, group_size, dn_meta = _denoising_queries(generator, batch_data_samples)
+        label_query, bbox_query, group_size, dn_meta = denoising_queries(generator, batch_data_samples)
         num_denoising = dn_meta["num_denoising_queries"]
-        padded = _padded_denoising_count(generator, num_denoising)
-        mask = _cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, batch_inputs.device)
+        padded = padded_denoising_count(generator, num_denoising)
+        mask = cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, batch_inputs.device)
         pad = (0, 0, 0, padded - num_denoising)
         inputs = (batch_inputs, image_sizes_tensor(batch_data_samples, batch_inputs.device),
                   torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), mask)
@@ -322,7 +236,7 @@ def _dino_graphed_loss(detector) -> Optional[_GraphedLoss]:
         return head.loss_by_feat(unpadded(outputs["all_cls_scores"]), unpadded(outputs["all_bbox_preds"]),
                                  outputs["enc_outputs_class"], outputs["enc_outputs_coord"], batch_gt_instances,
                                  batch_img_metas, dn_meta)
-    return _GraphedLoss(network, region_inputs, tail, splits_at_features=True)
+    return GraphedLoss(network, region_inputs, tail, splits_at_features=True)
 
 
 def _feature_module_names(detector) -> Tuple[str, ...]:

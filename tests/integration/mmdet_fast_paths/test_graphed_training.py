@@ -159,15 +159,15 @@ def _check_replays_against_stock(name, dtype, split):
 def test_the_padded_denoising_mask_is_mmdets_for_the_real_queries(max_num_target):
     from mmdet.models.layers import CdnQueryGenerator
 
-    from deform_plugin.integration.mmdet_fast_paths.graphed_training import (_padded_denoising_count,
-                                                                             padded_denoising_mask)
+    from deform_plugin.integration.mmdet_fast_paths.graphed_inputs import (padded_denoising_count,
+                                                                           padded_denoising_mask)
     num_matching = 10
     generator = CdnQueryGenerator(num_classes=80, embed_dims=32, num_matching_queries=num_matching,
                                   group_cfg=dict(dynamic=True, num_dn_queries=20))
     num_groups = generator.get_num_groups(max_num_target)
     stock = generator.generate_dn_mask(max_num_target, num_groups, device="cpu")
     num_denoising = 2 * max_num_target * num_groups
-    padded = _padded_denoising_count(generator, num_denoising)
+    padded = padded_denoising_count(generator, num_denoising)
     # Up to 20 targets the count is fixed (2 * num_dn_queries); 25 targets make one group of 50 queries.
     assert padded == (40 if max_num_target <= 20 else 64)
     ours = padded_denoising_mask(num_denoising, 2 * max_num_target, padded, num_matching, "cpu")
@@ -266,7 +266,7 @@ def test_dino_denoising_queries_are_mmdets_without_its_blocking_copies(num_gts):
     from mmdet.structures import DetDataSample
     from mmengine.structures import InstanceData
 
-    from deform_plugin.integration.mmdet_fast_paths.graphed_training import _denoising_queries
+    from deform_plugin.integration.mmdet_fast_paths.graphed_inputs import denoising_queries
     generator = CdnQueryGenerator(num_classes=5, embed_dims=16, num_matching_queries=30,
                                   label_noise_scale=0.5, box_noise_scale=1.0,
                                   group_cfg=dict(dynamic=True, num_groups=None, num_dn_queries=20))
@@ -281,7 +281,7 @@ def test_dino_denoising_queries_are_mmdets_without_its_blocking_copies(num_gts):
     stock_label, stock_bbox, _, stock_meta = generator(samples)
     torch.manual_seed(0)
     with HostTransferSpy() as spy:
-        label, bbox, group_size, meta = _denoising_queries(generator, samples)
+        label, bbox, group_size, meta = denoising_queries(generator, samples)
     assert torch.equal(label, stock_label) and torch.equal(bbox, stock_bbox)
     assert meta == stock_meta and group_size == 2 * max(num_gts)
     assert spy.calls == [("nonzero", "generate_dn_label_query")]
