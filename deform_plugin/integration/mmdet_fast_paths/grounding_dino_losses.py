@@ -30,7 +30,7 @@ from torch import nn
 
 from .batched_losses import (_host_gt_inds, _image_factors, _normalised, _padded_targets, box_loss_sums,
                              install_batched_losses, stock_loss_modules)
-from .matching import _to_device_without_blocking, image_size_factor
+from .matching import _to_device_without_blocking, assign_with_host_indices, image_size_factor
 
 __all__ = ["enable_grounding_batched_losses", "enable_grounding_host_syncs", "grounding_denoising_losses",
            "grounding_layer_losses", "grounding_refusals"]
@@ -188,23 +188,10 @@ def _grounding_denoising_targets_single(head, gt_instances, img_meta, dn_meta):
 def grounding_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, img_meta):
     """mmdet 3.3.0's ``GroundingDINOHead._get_targets_single`` taking the positive/negative queries from the
     assignment's host copy (stock finds them with two ``nonzero()`` syncs) and the size factor without blocking."""
-    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy, bbox_xyxy_to_cxcywh
-    from mmengine.structures import InstanceData
-    factor = image_size_factor(img_meta, bbox_pred)
+    from mmdet.structures.bbox import bbox_xyxy_to_cxcywh
     num_bboxes = bbox_pred.size(0)
-    bbox_pred = bbox_cxcywh_to_xyxy(bbox_pred) * factor
-    assign_result = self.assigner.assign(pred_instances=InstanceData(scores=cls_score, bboxes=bbox_pred),
-                                         gt_instances=gt_instances, img_meta=img_meta)
-    host_gt_inds = getattr(assign_result, "host_gt_inds", None)
-    if host_gt_inds is None:
-        pos_inds = torch.nonzero(assign_result.gt_inds > 0, as_tuple=False).squeeze(-1).unique()
-        neg_inds = torch.nonzero(assign_result.gt_inds == 0, as_tuple=False).squeeze(-1).unique()
-    else:
-        host = host_gt_inds.numpy()
-        host_pos, host_neg = np.flatnonzero(host > 0), np.flatnonzero(host == 0)  # sorted and unique, as stock
-        both = _to_device_without_blocking(torch.from_numpy(np.concatenate([host_pos, host_neg])),
-                                           bbox_pred.device)
-        pos_inds, neg_inds = both[:len(host_pos)], both[len(host_pos):]
+    assign_result, factor, bbox_pred, pos_inds, neg_inds = assign_with_host_indices(
+        self, cls_score, bbox_pred, gt_instances, img_meta)
     gt_bboxes = gt_instances.bboxes
     pos_assigned_gt_inds = assign_result.gt_inds[pos_inds] - 1
     labels = gt_bboxes.new_full((num_bboxes, self.max_text_len), 0, dtype=torch.float32)

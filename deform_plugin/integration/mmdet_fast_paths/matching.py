@@ -193,24 +193,19 @@ def bbox_overlaps_without_sync(bboxes1: torch.Tensor, bboxes2: torch.Tensor, mod
     return ious - (enclose_area - union) / enclose_area
 
 
-def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, img_meta):
-    """mmdet 3.3.0's ``DETRHead._get_targets_single`` taking the positive/negative query indices from the host
-    assignment.
-
-    The stock method finds them with ``torch.nonzero(...).unique()`` on the device: two host syncs per image and
-    layer, and one more for its image-size factor. Where the assigner left ``host_gt_inds`` (the fewer-syncs
-    ``assign``), the same sorted indices come from numpy and reach the device in one non-blocking copy, as does
-    the factor; everything else is the stock computation.
-    """
-    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy, bbox_xyxy_to_cxcywh
+def assign_with_host_indices(head, cls_score, bbox_pred, gt_instances, img_meta):
+    """The assignment step of mmdet 3.3.0's DETR-family ``_get_targets_single``: the image-size factor (copied
+    without blocking), the predicted boxes scaled to pixels as xyxy, the assignment, and the sorted positive and
+    negative query indices, from the assigner's ``host_gt_inds`` in one non-blocking copy where it left them (the
+    fewer-syncs ``assign``), else with stock's two ``nonzero().unique()`` syncs. Returns ``(assign_result, factor,
+    scaled_bbox_pred, pos_inds, neg_inds)``."""
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
     from mmengine.structures import InstanceData
 
     factor = image_size_factor(img_meta, bbox_pred)
-    num_bboxes = bbox_pred.size(0)
     bbox_pred = bbox_cxcywh_to_xyxy(bbox_pred) * factor
-    pred_instances = InstanceData(scores=cls_score, bboxes=bbox_pred)
-    assign_result = self.assigner.assign(pred_instances=pred_instances, gt_instances=gt_instances,
-                                         img_meta=img_meta)
+    assign_result = head.assigner.assign(pred_instances=InstanceData(scores=cls_score, bboxes=bbox_pred),
+                                         gt_instances=gt_instances, img_meta=img_meta)
     host_gt_inds = getattr(assign_result, "host_gt_inds", None)
     if host_gt_inds is None:
         pos_inds = torch.nonzero(assign_result.gt_inds > 0, as_tuple=False).squeeze(-1).unique()
@@ -221,6 +216,23 @@ def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, i
         both = _to_device_without_blocking(torch.from_numpy(np.concatenate([host_pos, host_neg])),
                                            bbox_pred.device)
         pos_inds, neg_inds = both[:len(host_pos)], both[len(host_pos):]
+    return assign_result, factor, bbox_pred, pos_inds, neg_inds
+
+
+def _detr_targets_single_fewer_syncs(self, cls_score, bbox_pred, gt_instances, img_meta):
+    """mmdet 3.3.0's ``DETRHead._get_targets_single`` taking the positive/negative query indices from the host
+    assignment.
+
+    The stock method finds them with ``torch.nonzero(...).unique()`` on the device: two host syncs per image and
+    layer, and one more for its image-size factor. Where the assigner left ``host_gt_inds`` (the fewer-syncs
+    ``assign``), the same sorted indices come from numpy and reach the device in one non-blocking copy, as does
+    the factor; everything else is the stock computation.
+    """
+    from mmdet.structures.bbox import bbox_xyxy_to_cxcywh
+
+    num_bboxes = bbox_pred.size(0)
+    assign_result, factor, bbox_pred, pos_inds, neg_inds = assign_with_host_indices(
+        self, cls_score, bbox_pred, gt_instances, img_meta)
     gt_bboxes = gt_instances.bboxes
     gt_labels = gt_instances.labels
     pos_assigned_gt_inds = assign_result.gt_inds[pos_inds] - 1
