@@ -9,3 +9,24 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import itertools  # noqa: E402
+
+import pytest  # noqa: E402
+
+_SCOPE_NAMES = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def mmdet_default_scope():
+    """Every test starts with mmdet's registry scope current, as mmdet's tools and ``init_detector`` leave it.
+
+    Tests build mmdet's modules by registry name. mmengine keeps the latest default scope for the whole process, so
+    a test that made another scope current (a Runner of its own, a tool run in-process) would otherwise change what
+    the next test in the same worker finds, and the outcome would depend on the test order.
+    """
+    from mmengine.registry import DefaultScope
+    current = DefaultScope.get_current_instance()
+    if current is None or current.scope_name != "mmdet":
+        DefaultScope.get_instance(f"deform_plugin-tests-{next(_SCOPE_NAMES)}", scope_name="mmdet")
+    yield
