@@ -75,3 +75,20 @@ check_slurm_variables() {
         launch_error "srun is not on PATH: $(basename "$0") runs where slurm's commands are (a cluster's login node)"
     fi
 }
+
+# srun_python_tool PARTITION JOB_NAME TOOL ARGS...: tools/TOOL under srun, one task per GPU (check_slurm_variables
+# first), the repository importable, mmengine's launcher reading the ranks from slurm.
+srun_python_tool() {
+    local partition=$1 job_name=$2 tool=$3
+    shift 3
+    PYTHONPATH="$(dirname "$SCRIPT_DIR"):${PYTHONPATH:-}" \
+    exec srun -p "$partition" \
+        --job-name="$job_name" \
+        --gres=gpu:"$TASKS_PER_NODE" \
+        --ntasks="$GPUS" \
+        --ntasks-per-node="$TASKS_PER_NODE" \
+        --cpus-per-task="$CPUS_PER_TASK" \
+        --kill-on-bad-exit=1 \
+        "${SRUN_EXTRA_ARGS[@]}" \
+        "${PYTHON:-python3}" -u "$SCRIPT_DIR/$tool" "$@"
+}

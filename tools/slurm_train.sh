@@ -25,16 +25,4 @@ shift 4
 check_slurm_variables
 export_rank_environment
 
-PYTHONPATH="$(dirname "$SCRIPT_DIR"):${PYTHONPATH:-}" \
-exec srun -p "$PARTITION" \
-    --job-name="$JOB_NAME" \
-    --gres=gpu:"$TASKS_PER_NODE" \
-    --ntasks="$GPUS" \
-    --ntasks-per-node="$TASKS_PER_NODE" \
-    --cpus-per-task="$CPUS_PER_TASK" \
-    --kill-on-bad-exit=1 \
-    "${SRUN_EXTRA_ARGS[@]}" \
-    "${PYTHON:-python3}" -u "$SCRIPT_DIR/train.py" \
-    "$CONFIG" \
-    --work-dir="$WORK_DIR" \
-    --launcher=slurm "$@"
+srun_python_tool "$PARTITION" "$JOB_NAME" train.py "$CONFIG" --work-dir="$WORK_DIR" --launcher=slurm "$@"
