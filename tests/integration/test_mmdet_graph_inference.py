@@ -48,8 +48,9 @@ def test_split_predict_is_the_stock_predict(name):
     # The DETRs' region takes each image's size as a tensor and masks its padding; an unpadded image gets an
     # all-valid mask where stock passes none: the same detections up to rounding.
     from deform_plugin.integration.mmdet_fast_paths.graphed_inputs import image_sizes_tensor
-    if name == "ddq" and float64_nms_refusal():
-        pytest.skip(float64_nms_refusal())
+    refusal = float64_nms_refusal() if name == "ddq" else None
+    if refusal:
+        pytest.skip(refusal)
     detector = _small_detector(name)
     inputs, samples = stock_worker.detection_inputs(batch=1, height=224, width=256)
     graph_inference = GraphInference(detector)

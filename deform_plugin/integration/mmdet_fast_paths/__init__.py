@@ -69,7 +69,8 @@ _WHAT_EACH_SWITCH_CHANGES = {
     "sync_free_forward": "Deformable-DETR-family detectors and Mask2Former pixel decoders with mmdet's own forward",
     "batched_losses": "DETR-family heads (DDQ-DETR's included) whose losses are mmdet's FocalLoss, L1Loss and "
                       "GIoULoss, with their matching solved ahead",
-    "cuda_graphs": "Deformable-DETR-family and Mask2Former detectors with mmdet's own training loss",
+    "cuda_graphs": "Deformable-DETR-family (DDQ-DETR and Grounding-DINO included) and Mask2Former detectors with "
+                   "mmdet's own training loss",
     "relu_dropout_fusion": "mmcv FFNs with a ReLU and a dropout of probability between 0 and 1",
     "ffn_recompute": "mmcv FFNs without dropout",
 }

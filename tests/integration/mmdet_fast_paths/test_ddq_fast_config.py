@@ -67,8 +67,9 @@ def float64():
 
 def test_the_fast_configs_switches_give_the_plain_configs_losses_and_gradients(float64):
     from mmengine.registry import HOOKS
-    if float64_nms_refusal():
-        pytest.skip(float64_nms_refusal())
+    refusal = float64_nms_refusal()
+    if refusal:
+        pytest.skip(refusal)
     # Built from the fast config (shrunk: two encoder and two decoder layers, so that the second decoder layer takes
     # the distinct queries the first's NMS kept; narrow FFNs; 30 queries, 45 dense ones); the plain config's model is
     # the same (its config differs in the data preprocessor's copy only), with the same weights.
