@@ -10,8 +10,8 @@ from checkout import checkout_environment
 from tool_main import run_tool_main
 from train_benchmark_cases import TINY_COCO_CONFIG
 
-from deform_plugin.benchmarks.detector.inference import compare_detections, parse_row
-from deform_plugin.benchmarks.detector.inference_loop import COCO_COMMON_SIZES, image_sizes, make_images
+from deform_plugin.benchmarks.detector.inference import compare_detections, parse_image_range, parse_row
+from deform_plugin.benchmarks.detector.inference_loop import COCO_COMMON_SIZES, call_kind, image_sizes, make_images
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +43,21 @@ def test_rows_are_kind_and_mode():
             parse_row(bad)
 
 
+def test_profile_ranges_are_one_based_and_ordered():
+    assert parse_image_range("3:5") == (3, 5) and parse_image_range("4") == (4, 4)
+    for bad in ("0:2", "5:3", "a:b", "2:"):
+        with pytest.raises(argparse.ArgumentTypeError, match="not FIRST:LAST"):
+            parse_image_range(bad)
+
+
+def test_a_graph_call_is_named_by_what_its_stats_changed():
+    before = dict(graphs=1, replays=4, borrowed_calls=2, eager_calls=3)
+    assert call_kind(before, dict(before, graphs=2)) == "capture"
+    assert call_kind(before, dict(before, replays=5)) == "replay"
+    assert call_kind(before, dict(before, replays=5, borrowed_calls=3)) == "borrow"
+    assert call_kind(before, dict(before, eager_calls=4)) == "eager"
+
+
 def test_detections_are_compared_by_top_scores_and_top_box():
     a = [dict(scores=[0.9, 0.5], labels=[1, 2], bboxes=[[0, 0, 10, 10], [1, 1, 2, 2]])]
     b = [dict(scores=[0.85, 0.5], labels=[1, 3], bboxes=[[0.5, 0, 10, 10.5], [1, 1, 2, 2]])]
@@ -54,7 +69,7 @@ def test_detections_are_compared_by_top_scores_and_top_box():
 def test_a_small_cpu_run_writes_its_report(tmp_path):
     command = [sys.executable, "tools/benchmark_infer.py", str(TINY_COCO_CONFIG), "--device", "cpu", "--images", "2",
                "--warmup", "1", "--sizes", "coco16", "--rows", "stock:fp32", "eager:fp32", "graph:fp32", "--out-dir",
-               str(tmp_path)]
+               str(tmp_path), "--profile", "2:2"]
     completed = subprocess.run(command, cwd=ROOT, env=checkout_environment(), capture_output=True, text=True,
                                timeout=600)
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
@@ -66,10 +81,16 @@ def test_a_small_cpu_run_writes_its_report(tmp_path):
     # The CPU runs no graphs; the graph row pads to its buckets all the same.
     assert graph["graphs"]["graphs"] == 0 and graph["graphs"]["eager_calls"] == 2
     assert graph["graphs"]["padded_pixels"] > 0 and graph["nonfinite_images"] == 0
+    assert graph["call_kinds"] == ["eager", "eager"] and records[0]["call_kinds"] is None
     assert records[1]["max_score_diff"] == 0.0
     table = (tmp_path / "inference.md").read_text()
     assert table.startswith("machine: ") and "| graph:fp32 |" in table
     assert (tmp_path / "inference.png").stat().st_size > 0
+    assert "| graph:fp32 | 2 x " in table  # the calls by kind
+    # Each row's profile of its second image: torch.profiler's operator table, under the row's own name.
+    profiles = sorted(p.name for p in (tmp_path / "profiles").iterdir())
+    assert len(profiles) == 3 and all(name.endswith(".txt") for name in profiles)
+    assert "by self CPU time" in (tmp_path / "profiles" / profiles[0]).read_text()
 
 
 def test_a_missing_config_is_one_error_line(tmp_path, monkeypatch, capsys):

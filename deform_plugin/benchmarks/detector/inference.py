@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from deform_plugin.benchmarks.common import (
     init_weights_quietly,
@@ -55,6 +55,17 @@ def parse_row(text: str) -> tuple:
     return kind, mode
 
 
+def parse_image_range(text: str) -> Tuple[int, int]:
+    first, sep, last = text.partition(":")
+    try:
+        span = (int(first), int(last)) if sep else (int(first), int(first))
+    except ValueError:
+        span = None
+    if span is None or not 1 <= span[0] <= span[1]:
+        raise argparse.ArgumentTypeError(f"--profile {text!r} is not FIRST:LAST with 1 <= FIRST <= LAST")
+    return span
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", help="detector configs (DETR family or Mask2Former)")
@@ -73,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="after each row's timed loop, time its phases (pipeline, preprocess, forward, "
                              "postprocess) over its last N images, the device synchronised between phases "
                              "(default: 0, off)")
+    parser.add_argument("--profile", type=parse_image_range, metavar="FIRST:LAST",
+                        help="profile each row's images FIRST-LAST (1-based, inclusive) with torch.profiler; the "
+                             "operator tables go to OUT_DIR/profiles/ (the profiler slows those images: leave them "
+                             "out of the figures you quote)")
     parser.add_argument("--cold-triton-cache", dest="warm_triton_cache", action="store_false",
                         help="do not compile the Triton kernels before the rows: the first row of each dtype then "
                              "compiles them in its first image (default: compiled first, as a second run finds them)")
@@ -185,6 +200,14 @@ def summarize(result: dict, warmup: int) -> dict:
                 nonfinite_images=sum(not d["finite"] for d in result["detections"]))
 
 
+CALL_KINDS = ("eager", "capture", "replay", "borrow")
+
+
+def _kind_cell(record: dict, kind: str) -> str:
+    times = [s for s, k in zip(record["seconds"], record["call_kinds"]) if k == kind]
+    return f"{len(times)} x {1e3 * statistics.mean(times):.1f}" if times else "0"
+
+
 def _fmt(value, spec=".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -219,8 +242,15 @@ def report(records: List[dict], info: dict, out_dir: Path) -> str:
                                                [[r["config"], r["sizes"], r["row"]]
                                                 + [_fmt(r["phases_ms"][p], ".2f") for p in (*PHASES, "total")]
                                                 for r in phased]))
+    kinded = [r for r in records if r.get("call_kinds")]
+    if kinded:
+        text += ("\n\nGraph rows' calls by kind, over all images: count and mean ms per image (eager: a shape that "
+                 "has not earned a graph; capture: the call that captured one; borrow: a larger shape's graph):\n\n"
+                 + markdown_table(["config", "sizes", "row", *CALL_KINDS],
+                                  [[r["config"], r["sizes"], r["row"]] + [_kind_cell(r, kind) for kind in CALL_KINDS]
+                                   for r in kinded]))
     (out_dir / "inference.md").write_text(text + "\n")
-    write_csv(out_dir / "inference.csv", [{k: v for k, v in r.items() if k not in ("seconds", "detections")}
+    write_csv(out_dir / "inference.csv", [{k: v for k, v in r.items() if k not in ("seconds", "detections", "call_kinds")}
                                           for r in records])
     plot(records, out_dir / "inference.png")
     return text
@@ -260,6 +290,8 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
             parser.error(f"config {config!r} does not exist")
     if args.images <= args.warmup:
         parser.error(f"--images ({args.images}) must exceed --warmup ({args.warmup})")
+    if args.profile is not None and args.profile[1] > args.images:
+        parser.error(f"--profile {args.profile[0]}:{args.profile[1]} goes past --images {args.images}")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     import torch
@@ -289,8 +321,13 @@ def main(argv: Optional[Sequence[str]] = None, description: Optional[str] = None
                                 distribution=sizes, count=args.images, seed=args.seed, device=args.device,
                                 amp_dtype=MODES[mode], out=str(scratch / f"{name}-{sizes}-{kind}-{mode}.json"),
                                 phase_images=min(args.phases, args.images),
+                                profile=None if args.profile is None else [i - 1 for i in args.profile],
                                 **(overrides if kind.startswith("graph") else {}))
                     result = run_row(spec, scratch, args.timeout)
+                    if result.get("profile"):
+                        profiles = out_dir / "profiles"
+                        profiles.mkdir(exist_ok=True)
+                        (profiles / f"{spec['name']}.txt").write_text(result.pop("profile"))
                     record = dict(config=name, sizes=sizes, row=label, **result,
                                   text_encoder=TIMING_ONLY_LABEL if config != plain else None)
                     if "error" not in result:

@@ -94,10 +94,11 @@ def _autocast(model, amp_dtype: Optional[str]):
 
 
 def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str] = None,
-                   top_k: int = TOP_K) -> dict:
+                   top_k: int = TOP_K, graph_inference=None, profile: Optional[Tuple[int, int]] = None) -> dict:
     """Each image through ``mmdet.apis.inference_detector`` (the device synchronised after each): the seconds per
     image, each image's ``top_k`` detections (and its count of non-finite scores and box coordinates) and the peak
-    memory."""
+    memory. With ``graph_inference`` (a ``GraphInference``), each image's call kind (:func:`call_kind`); with
+    ``profile`` ``(first, last)``, torch.profiler's operator tables over those images (0-based, inclusive)."""
     from mmdet.apis import inference_detector
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
@@ -106,17 +107,59 @@ def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str]
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    seconds, detections = [], []
+    seconds, detections, kinds = [], [], []
+    profiler, tables = None, None
     with autocast:
-        for image in images:
+        for index, image in enumerate(images):
+            if profile is not None and index == profile[0]:
+                profiler = _start_profiler(cuda)
+            before = graph_inference.stats() if graph_inference is not None else None
             started = time.perf_counter()
             result = inference_detector(model, image, **prompt)
             if cuda:
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - started)
+            if before is not None:
+                kinds.append(call_kind(before, graph_inference.stats()))
+            if profiler is not None and index == profile[1]:
+                tables = _profile_tables(profiler, cuda, profile)
+                profiler = None
             detections.append(_top_detections(result, top_k))  # after the clock: reading detections back is ours
+    if profiler is not None:  # the run ended before the profile's last image
+        tables = _profile_tables(profiler, cuda, (profile[0], len(images) - 1))
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 20 if cuda else None
-    return dict(seconds=seconds, detections=detections, peak_memory_mb=peak)
+    return dict(seconds=seconds, detections=detections, peak_memory_mb=peak, call_kinds=kinds or None,
+                profile=tables)
+
+
+def call_kind(before: dict, after: dict) -> str:
+    """What one graph-inference call did, from its ``stats()`` before and after: ``capture`` (a graph was made),
+    ``borrow`` (it replayed a larger shape's graph), ``replay`` or ``eager``."""
+    if after["graphs"] > before["graphs"]:
+        return "capture"
+    if after["replays"] > before["replays"]:
+        return "borrow" if after["borrowed_calls"] > before["borrowed_calls"] else "replay"
+    return "eager"
+
+
+def _start_profiler(cuda: bool):
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def _profile_tables(profiler, cuda: bool, images: Tuple[int, int]) -> str:
+    profiler.__exit__(None, None, None)
+    averages = profiler.key_averages()
+    text = (f"images {images[0]}-{images[1]}, by self CPU time:\n"
+            + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))
+    if cuda:
+        text += ("\nby self device time:\n"
+                 + averages.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=80))
+    return text
 
 
 def caption_prompt(model) -> dict:
@@ -167,7 +210,7 @@ def build_row_model(spec: dict):
 def child_main(argv: Sequence[str]) -> int:
     """One row in this process: ``inference_loop.py SPEC.json``, SPEC naming the row, config, weights, images and
     where the JSON result goes (optional: ``top_k`` detections kept per image, ``poison`` for
-    :func:`poison_uninitialized_memory`)."""
+    :func:`poison_uninitialized_memory`, ``profile`` ``[first, last]`` images to profile)."""
     with open(argv[0]) as handle:
         spec = json.load(handle)
     if spec.get("poison"):
@@ -177,7 +220,10 @@ def child_main(argv: Sequence[str]) -> int:
     build_seconds = time.perf_counter() - started
     sizes = image_sizes(spec["distribution"], spec["count"], spec["seed"])
     images = make_images(sizes, spec["seed"])
-    result = time_inference(model, images, spec.get("amp_dtype"), spec.get("top_k", TOP_K))
+    graph_inference = changed.get("graph_inference")
+    profile = tuple(spec["profile"]) if spec.get("profile") else None
+    result = time_inference(model, images, spec.get("amp_dtype"), spec.get("top_k", TOP_K), graph_inference,
+                            profile)
     if spec.get("phase_images"):
         # After the timed loop, on images whose sizes it has seen: the steady state's phases.
         from deform_plugin.benchmarks.detector.inference_phases import time_phases
@@ -187,7 +233,6 @@ def child_main(argv: Sequence[str]) -> int:
         from deform_plugin.benchmarks.stock_process import plugin_imported
         if plugin_imported():
             raise RuntimeError("the stock row imported deform_plugin: its numbers would not be stock mmdet/mmcv")
-    graph_inference = changed.get("graph_inference")
     result.update(build_seconds=build_seconds, image_sizes=sizes,
                   graphs=graph_inference.stats() if graph_inference is not None else None)
     with open(spec["out"], "w") as handle:
