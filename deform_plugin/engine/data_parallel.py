@@ -13,7 +13,9 @@ device; a graphed region writes its parameters' gradients into their slots and m
 moves every gradient not already in its slot (an eager step's) into it and all-reduces each flat buffer once, so
 that every rank holds the mean of the ranks' gradients, as ``DistributedDataParallel`` gives them (each gradient
 scaled by 1 / world size, then summed). It broadcasts rank 0's parameters and buffers when it is built, as
-``DistributedDataParallel`` does, and, like it with ``broadcast_buffers=False``, not again.
+``DistributedDataParallel`` does, and, like it with ``broadcast_buffers=False``, not again. Asked to
+(``time_steps=True`` or :meth:`FlatGradientsDataParallel.enable_step_times`), it times each step's compute and
+all-reduce on every rank, without host syncs (:class:`~deform_plugin.engine.step_times.StepTimes`).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 from mmengine.registry import MODEL_WRAPPERS
 from torch import nn
+
+from .step_times import StepTimes
 
 
 class ParameterGradientSlots:
@@ -105,10 +109,13 @@ class FlatGradientsDataParallel(nn.Module):
             change in training and must agree across ranks every step, use ``MMDistributedDataParallel``.
         find_unused_parameters: accepted for configs written for ``MMDistributedDataParallel``; either way a
             parameter without a gradient contributes zeros (nothing to find).
+        time_steps: keep each step's compute, all-reduce and step milliseconds in :attr:`step_times` (off by
+            default: the cost per step is four CUDA event records, a few microseconds, but the figures grow by one
+            record per step for the whole run; the training benchmark turns it on).
     """
 
     def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = False,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, time_steps: bool = False):
         super().__init__()
         import torch.distributed as dist
         if broadcast_buffers:
@@ -126,11 +133,23 @@ class FlatGradientsDataParallel(nn.Module):
             for tensor in list(module.parameters()) + list(module.buffers()):
                 dist.broadcast(tensor.data, src=source, group=process_group)
         self.gradient_slots = ParameterGradientSlots(module.parameters())
+        self.step_times: Optional[StepTimes] = None
+        if time_steps:
+            self.enable_step_times()
+
+    def enable_step_times(self) -> StepTimes:
+        """Time every step from now on (see ``time_steps``); the :class:`StepTimes` that keeps the figures."""
+        if self.step_times is None:
+            parameter = next(iter(self.gradient_slots.parameters), None)
+            self.step_times = StepTimes(parameter.device if parameter is not None else "cpu")
+        return self.step_times
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def train_step(self, data, optim_wrapper) -> Dict[str, torch.Tensor]:
+        if self.step_times is not None:
+            self.step_times.start()
         with optim_wrapper.optim_context(self):
             data = self.module.data_preprocessor(data, training=True)
             losses = self.module._run_forward(data, mode="loss")
@@ -140,6 +159,8 @@ class FlatGradientsDataParallel(nn.Module):
             self.average_gradients()
             optim_wrapper.step()
             optim_wrapper.zero_grad()
+        if self.step_times is not None:
+            self.step_times.end()
         return log_vars
 
     def average_gradients(self) -> None:
@@ -147,6 +168,8 @@ class FlatGradientsDataParallel(nn.Module):
         import torch.distributed as dist
         slots = self.gradient_slots
         slots.gather()
+        if self.step_times is not None:
+            self.step_times.mark("gradients_ready")
         scale = 1.0 / self.world_size
         for flat in slots.flats:
             flat.mul_(scale)
@@ -158,6 +181,8 @@ class FlatGradientsDataParallel(nn.Module):
                 parameter.grad = torch.zeros_like(parameter)
             parameter.grad.mul_(scale)
             dist.all_reduce(parameter.grad, group=self.process_group)
+        if self.step_times is not None:
+            self.step_times.mark("reduced")
 
     def val_step(self, data) -> list:
         return self.module.val_step(data)

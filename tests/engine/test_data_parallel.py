@@ -26,7 +26,8 @@ def _trainable_grads(net):
 def gloo_results(tmp_path_factory):
     """{worker name: its folder}: the three two-rank workers of this file, run in one pair of gloo ranks (spawning a
     pair costs seconds)."""
-    return run_gloo_workers((_wrapper_worker, _train_step_worker, _runner_worker), tmp_path_factory.mktemp("gloo"))
+    return run_gloo_workers((_wrapper_worker, _train_step_worker, _runner_worker, _step_times_worker),
+                            tmp_path_factory.mktemp("gloo"))
 
 
 def test_slots_view_one_flat_buffer_per_dtype_in_parameter_order():
@@ -252,6 +253,64 @@ def test_the_fast_configs_with_graphed_training_select_the_flat_gradients_wrappe
                  "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py"):
         cfg = Config.fromfile(str(root / "configs" / "fast" / name))
         assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel"), name
+
+
+SLOW_RANK_SECONDS = 0.3  # rank 1's extra forward time per step in _step_times_worker
+
+
+def _step_times_worker(rank, out_dir):
+    # Rank 1's forward is slower: rank 0 reaches the all-reduce first and waits there. Gradient accumulation over two
+    # steps: steps 1 and 3 reduce nothing. The host clock's readings (one per mark; CLOCK_MONOTONIC, one clock for
+    # every process of the machine) are kept to compare the ranks' moments.
+    import time
+
+    from mmengine.optim import OptimWrapper
+
+    torch.manual_seed(0)
+    model = _toy_model()
+    forward = model.forward
+
+    def slow_forward(*args, **kwargs):
+        if rank == 1:
+            time.sleep(SLOW_RANK_SECONDS)
+        return forward(*args, **kwargs)
+    model.forward = slow_forward
+    wrapper = FlatGradientsDataParallel(model, time_steps=True)
+    readings = []
+    wrapper.step_times.clock = lambda: readings.append(time.perf_counter()) or readings[-1]
+    optim = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.5), accumulative_counts=2)
+    for step in range(4):
+        wrapper.train_step(dict(inputs=torch.ones(2, 3, dtype=torch.float64) * (step + rank)), optim)
+    torch.save(dict(records=wrapper.step_times.records(), readings=readings), out_dir / f"rank{rank}.pt")
+
+
+def test_every_rank_times_its_compute_and_all_reduce_and_no_reduction_ends_before_the_last_rank_arrives(
+        gloo_results):
+    ranks = [torch.load(gloo_results["_step_times_worker"] / f"rank{rank}.pt") for rank in range(2)]
+    marks = []  # per rank: step -> {mark: host seconds}
+    for rank in ranks:
+        readings = iter(rank["readings"])
+        steps = {}
+        for step in (1, 2, 3, 4):
+            names = ("start", "gradients_ready", "reduced", "end") if step % 2 == 0 else ("start", "end")
+            steps[step] = {name: next(readings) for name in names}
+        assert next(readings, None) is None
+        marks.append(steps)
+        assert [r["step"] for r in rank["records"]] == [1, 2, 3, 4]
+        for record in rank["records"]:
+            at = steps[record["step"]]
+            assert record["step_ms"] == pytest.approx(1000 * (at["end"] - at["start"]))
+            if record["step"] % 2:  # accumulated, not reduced
+                assert record["compute_ms"] is None and record["all_reduce_ms"] is None
+                continue
+            assert record["compute_ms"] == pytest.approx(1000 * (at["gradients_ready"] - at["start"]))
+            assert record["all_reduce_ms"] == pytest.approx(1000 * (at["reduced"] - at["gradients_ready"]))
+    for step in (2, 4):
+        # The marks bracket the reduction: no rank's ends before every rank's gradients were ready, and rank 1's
+        # slow forward falls in its compute.
+        last_ready = max(steps[step]["gradients_ready"] for steps in marks)
+        assert all(steps[step]["reduced"] >= last_ready for steps in marks)
+        assert ranks[1]["records"][step - 1]["compute_ms"] >= 1000 * SLOW_RANK_SECONDS
 
 
 class _RankDataset(torch.utils.data.Dataset):
