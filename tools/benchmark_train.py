@@ -13,8 +13,9 @@ configs); a hook times windows of iterations with device syncs at the window end
 Rows are ``SIDE:MODE`` (``stock`` | ``ours``, ``fp32`` | ``fp16`` | ``bf16``); the first is the speedup baseline.
 Stock rows need mmcv with its compiled ops on a GPU. The table (steady-state img/s over the second half of the
 run, whole-run and first-20 img/s, our kernel compile count, peak memory, speedup) is printed and written with
-JSON, CSV and the rows' logs and overlay configs into ``--out-dir``. See
-:mod:`deform_plugin.benchmarks.detector.user_path`.
+JSON, CSV and the rows' logs and overlay configs into ``--out-dir``. ``--gpus 1 4`` runs every row on one GPU, then
+on four, and adds the scaling against one GPU and, under ``FlatGradientsDataParallel``, each rank's compute,
+all-reduce, wait for slower ranks and communication per step. See :mod:`deform_plugin.benchmarks.detector.user_path`.
 """
 import os
 

@@ -16,6 +16,11 @@ the fast paths' one copy for matching, keep the host within about an iteration o
 training, what the iteration ran: ``eager`` (a new shape's warm-up), ``capture`` or ``replay``. The report splits
 the first iterations' time by those kinds: where a slow start goes.
 
+Under a model wrapper that times its steps (``FlatGradientsDataParallel``, through ``enable_step_times``; found
+by that method's name, so that a stock run needs nothing of deform_plugin), the hook turns that on before training
+and, at its end, gathers every rank's per-step compute, all-reduce and step milliseconds to rank 0
+(``data_parallel_steps``; see :mod:`.rank_steps` for what the report makes of them).
+
 The result goes to a JSON file: ``out_file``, else ``$DEFORM_PLUGIN_TIMING_JSON``, else
 ``<work_dir>/iteration_timing.json``. Usable from any config (a stock run imports it without deform_plugin through
 :mod:`deform_plugin.benchmarks.stock_process`)::
@@ -33,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from mmengine.dist import get_world_size, is_main_process
+from mmengine.dist import all_gather_object, get_world_size, is_main_process
 from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.registry import HOOKS
@@ -199,6 +204,7 @@ class IterationTimerHook(Hook):
         self._iteration_kinds: List[Optional[str]] = []
         self._graph_counters: Optional[Tuple[int, int, int]] = None
         self._regions: Optional[list] = None  # found at the first iteration's end (hooks set them up before)
+        self._step_times = None  # the model wrapper's per-step times, where it keeps them
 
     def _check_plugin(self, when: str) -> None:
         loaded = plugin_imported()
@@ -220,6 +226,8 @@ class IterationTimerHook(Hook):
         self._uses_cuda = torch.cuda.is_available()
         if self._uses_cuda:
             torch.cuda.reset_peak_memory_stats()
+        enable_step_times = getattr(runner.model, "enable_step_times", None)
+        self._step_times = enable_step_times() if callable(enable_step_times) else None
         self._mark(0)
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
@@ -303,7 +311,17 @@ class IterationTimerHook(Hook):
             results.append(entry)
         return results
 
-    def summary(self, runner) -> dict:
+    def data_parallel_steps(self) -> Optional[dict]:
+        """Every rank's per-step figures (``ranks``: one list per rank, in rank order, of ``StepTimes.records()``
+        dicts) and what timed them, or None where the model wrapper kept none. A collective: every rank calls it
+        (every rank's wrapper is of one type, so all of them or none keep figures)."""
+        if self._step_times is None:
+            return None
+        ranks = all_gather_object(self._step_times.records())
+        return dict(world_size=len(ranks), clock="cuda events" if self._step_times.uses_events else "host",
+                    ranks=ranks)
+
+    def summary(self, runner, data_parallel_steps: Optional[dict] = None) -> dict:
         compiles_end = compiled_variants_if_loaded()
         after_warmup = self._compiles_after_warmup
         optim_wrapper = getattr(runner, "optim_wrapper", None)
@@ -335,6 +353,7 @@ class IterationTimerHook(Hook):
             peak_reserved_mib=self._peak_reserved / 2 ** 20 if self._uses_cuda else None,
             graphed_training=_graphed_training_stats(getattr(runner, "model", None)),
             per_iteration=self.per_iteration(),
+            data_parallel_steps=data_parallel_steps,
         )
 
     def output_path(self, runner) -> Path:
@@ -343,7 +362,7 @@ class IterationTimerHook(Hook):
 
     def after_train(self, runner) -> None:
         self._check_plugin("after training")
-        result = self.summary(runner)
+        result = self.summary(runner, self.data_parallel_steps())
         if is_main_process():
             path = self.output_path(runner)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@ after the warm-up window), the graph captures of graphed training (and signature
 memory (allocated, and reserved: the memory CUDA graphs' pools hold shows there), and the steady-state speedup
 against the config's first row. A second table splits the whole run's time by what each iteration did: the
 first iteration (worker start-up, first compiles), and for graphed training the iterations that warmed a new
-shape up eagerly, those that captured one, and those that replayed.
+shape up eagerly, those that captured one, and those that replayed. Rows on several GPUs add two more
+(:mod:`.rank_steps`): scaling against the same row on one GPU, and each rank's compute, all-reduce, wait for slower
+ranks and the communication estimate.
 """
 from __future__ import annotations
 
@@ -21,15 +23,17 @@ from typing import Dict, Optional, Sequence
 from ..common import repo_commit
 from .coco_source import CocoSource
 from .random_text_encoder import TIMING_ONLY_LABEL
+from .rank_steps import add_scaling, median_step_ms, multi_gpu_tables, rank_step_figures
 
 REPORT_NAME = "train_benchmark"
-CSV_FIELDS = ("timestamp", "commit", "device", "config", "row", "status", "steady_img_s", "steady_ms_per_iter",
+CSV_FIELDS = ("timestamp", "commit", "device", "config", "gpus", "row", "status", "steady_img_s", "steady_ms_per_iter",
               "all_img_s", "first_img_s", "all_over_steady", "first_100_img_s", "first_100_over_steady",
               "compiled_total", "compiled_after_warmup",
               "batch_shapes", "batch_shapes_after_warmup", "padded_over_image_pixels", "peak_allocated_mib",
               "peak_reserved_mib", "graph_captures",
-              "graph_first_call_captures", "graph_fallbacks", "speedup", "amp_dtype", "iters", "batch_size",
-              "workers")
+              "graph_first_call_captures", "graph_fallbacks", "speedup", "median_step_ms", "scaling_img_s",
+              "scaling_per_step", "rank_compute_ms", "rank_all_reduce_ms", "rank_wait_ms", "communication_ms",
+              "amp_dtype", "iters", "batch_size", "workers")
 
 
 def package_version(*names: str) -> str:
@@ -76,14 +80,16 @@ def _window(timing: dict, window) -> Optional[dict]:
 
 def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
     """The figures of one row (None where the row failed or a window was not reached)."""
-    metrics = dict(config=Path(result["config"]).name, row=result["row"], status=result["status"],
+    metrics = dict(config=Path(result["config"]).name, gpus=result.get("gpus", 1), row=result["row"],
+                   status=result["status"],
                    steady_img_s=None, steady_ms_per_iter=None, all_img_s=None, first_img_s=None,
                    all_over_steady=None, first_100_img_s=None, first_100_over_steady=None, compiled_total=None,
                    compiled_after_warmup=None, batch_shapes=None,
                    batch_shapes_after_warmup=None, padded_over_image_pixels=None, peak_allocated_mib=None,
                    peak_reserved_mib=None, speedup=None, amp_dtype=None, graph_captures=None,
                    graph_capture_seconds=None, graph_capture_phase_seconds=None, graph_fallbacks=None,
-                   graph_first_call_captures=None)
+                   graph_first_call_captures=None, median_step_ms=None, rank_steps=None, rank_compute_ms=None,
+                   rank_all_reduce_ms=None, rank_wait_ms=None, communication_ms=None)
     timing = result.get("timing")
     if not timing:
         return metrics
@@ -116,6 +122,13 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
         metrics["first_100_over_steady"] = metrics["first_100_img_s"] / steady
     metrics["split"] = iteration_split(timing.get("per_iteration") or [], windows["all"])
     metrics["steady_replay_median_ms"] = replay_median_ms(timing.get("per_iteration") or [], windows["steady"])
+    metrics["median_step_ms"] = median_step_ms(timing.get("per_iteration") or [], windows["steady"])
+    rank_steps = rank_step_figures(timing.get("data_parallel_steps"), windows["steady"])
+    if rank_steps:
+        ranks = rank_steps["ranks"]
+        metrics.update(rank_steps=rank_steps, communication_ms=rank_steps["communication_ms"],
+                       **{f"rank_{name}": sum(r[name] for r in ranks) / len(ranks)
+                          for name in ("compute_ms", "all_reduce_ms", "wait_ms")})
     return metrics
 
 
@@ -150,19 +163,21 @@ def iteration_split(per_iteration: Sequence[dict], window) -> Optional[dict]:
 
 
 def summarize(results: Sequence[dict], settings, source: CocoSource) -> dict:
-    """Metrics per row with speedups against the first row of the same config, plus machine and settings."""
+    """Metrics per row with speedups against the first row of the same config on as many GPUs, scaling against
+    the same row on one GPU, plus machine and settings."""
     windows = settings.windows()
     rows = [row_metrics(r, windows) for r in results]
-    baselines: Dict[str, Optional[float]] = {}
+    baselines: Dict[tuple, Optional[float]] = {}
     for metrics in rows:
-        baselines.setdefault(metrics["config"], metrics["steady_img_s"])
-        baseline = baselines[metrics["config"]]
+        baseline = baselines.setdefault((metrics["config"], metrics["gpus"]), metrics["steady_img_s"])
         if baseline and metrics["steady_img_s"]:
             metrics["speedup"] = metrics["steady_img_s"] / baseline
+    add_scaling(rows)
     return dict(
         timestamp=datetime.datetime.now().isoformat(timespec="seconds"),
         machine=machine_info(results),
         settings=dict(iters=settings.iters, batch_size=settings.batch_size, workers=settings.workers,
+                      gpus=sorted({r.get("gpus", settings.gpus) for r in results}) or [settings.gpus],
                       windows={name: list(w) for name, w in windows.items()}),
         source=dict(root=str(source.root), images=source.num_images, seed=source.seed),
         rows=rows,
@@ -195,14 +210,14 @@ def markdown(report: dict) -> str:
         "",
         *[f"**Text encoder:** {Path(config).name} ran on a {TIMING_ONLY_LABEL} (BERT-base's shape, random weights, "
           "a generated vocabulary): its losses mean nothing.\n" for config in _random_text_encoder_configs(report)],
-        f"| config | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
+        f"| config | GPUs | row | status | steady img/s (it {steady[0]}-{steady[1]}) | steady ms/iter "
         f"| img/s it {ramp[0]}-{ramp[1]} | img/s it {first[0]}-{first[1]} | {ramp[0]}-{ramp[1]} / steady "
         f"| compiled kernels (new after it {first[1]}) | batch shapes (new after it {first[1]}) "
         f"| graph captures (host s: under capture, instantiating; at a shape's first call; signatures run eagerly) "
         f"| padded px / image px "
         f"| peak MiB allocated (reserved) "
         f"| speedup |",
-        "|---|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "|---|--:|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for m in report["rows"]:
         compiled = "-" if m["compiled_total"] is None else (
@@ -219,13 +234,14 @@ def markdown(report: dict) -> str:
         memory = "-" if m["peak_allocated_mib"] is None else (
             f"{m['peak_allocated_mib']:.0f} ({_fmt(m.get('peak_reserved_mib'), '.0f')})")
         lines.append(
-            f"| {m['config']} | {m['row']} | {m['status']} | {_fmt(m['steady_img_s'])} "
+            f"| {m['config']} | {m.get('gpus', 1)} | {m['row']} | {m['status']} | {_fmt(m['steady_img_s'])} "
             f"| {_fmt(m['steady_ms_per_iter'], '.1f')} | {_fmt(m[ramp_key + '_img_s'])} | {_fmt(m['first_img_s'])} "
             f"| {_fmt(m[ramp_key + '_over_steady'])} | {compiled} | {shapes} | {captures} "
             f"| {_fmt(m['padded_over_image_pixels'])} "
             f"| {memory} "
             f"| {_fmt(m['speedup'], '.2f', 'x')} |")
     lines += split_table(report["rows"], whole, steady)
+    lines += multi_gpu_tables(report["rows"], steady)
     failed = [r for r in report["results"] if r["status"] != "ok"]
     for result in failed:
         lines += ["", f"**{Path(result['config']).name} {result['row']} failed** (log: {result['log']}):", "",
@@ -245,9 +261,9 @@ def split_table(rows: Sequence[dict], whole, steady) -> list:
         return []
     lines = ["", f"Where iterations {whole[0]}-{whole[1]} go (host clock at each iteration's end; iterations, "
                  "seconds, ms per iteration):", "",
-             "| config | row | " + " | ".join(title for _, title in SPLIT_KINDS)
+             "| config | GPUs | row | " + " | ".join(title for _, title in SPLIT_KINDS)
              + f" | replay median, it {steady[0]}-{steady[1]} |",
-             "|---|---|" + "--:|" * (len(SPLIT_KINDS) + 1)]
+             "|---|--:|---|" + "--:|" * (len(SPLIT_KINDS) + 1)]
     for m in split_rows:
         cells = []
         for kind, _ in SPLIT_KINDS:
@@ -256,7 +272,7 @@ def split_table(rows: Sequence[dict], whole, steady) -> list:
                          f"{part['iterations']}, {part['seconds']:.2f} s, "
                          f"{1000 * part['seconds'] / part['iterations']:.0f}")
         cells.append(_fmt(m.get("steady_replay_median_ms"), ".1f", " ms"))
-        lines.append(f"| {m['config']} | {m['row']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {m['config']} | {m.get('gpus', 1)} | {m['row']} | " + " | ".join(cells) + " |")
     return lines
 
 

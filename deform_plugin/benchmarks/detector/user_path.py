@@ -22,11 +22,14 @@ user's config (``_base_`` = its absolute path) and changes only what a benchmark
   ``--profile FIRST:STEPS`` :class:`.step_profiler.StepProfilerHook` (per-rank profiles of those
   iterations in ``OUT_DIR/profiles/<row>/``).
 
-Rows run one after another on the same device; a row that fails is reported with the tail of its log.
+Rows run one after another on the same device; a row that fails is reported with the tail of its log. With
+``--gpus 1 N``, every row runs on one GPU and then on N (each count in turn, every row), and the report adds the
+scaling against one GPU and each rank's compute, all-reduce and wait (:mod:`.rank_steps`).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -123,6 +126,8 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
             out_dir: Path) -> dict:
     """Write the row's overlay, train it in a child process, and return its result (``status`` ok or failed)."""
     name = f"{config_path.stem}__{row.label.replace(':', '-')}"
+    if settings.gpus > 1:  # the same row may also run on one GPU (--gpus 1 N)
+        name += f"__{settings.gpus}gpus"
     timing_file = scratch / "timing" / f"{name}.json"
     work_dir = scratch / "work_dirs" / name
     overlay_path = scratch / "configs" / f"{name}.py"
@@ -134,7 +139,8 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
                                                                          timing_file, profile_dir), row))
     shutil.copy(overlay_path, out_dir / "configs" / overlay_path.name)  # kept for reruns by hand
     command = row_command(row, overlay_path, work_dir, settings.gpus, settings.numa_binding)
-    result = dict(config=str(config_path), row=row.label, command=command, log=str(log_path), status="failed",
+    result = dict(config=str(config_path), row=row.label, gpus=settings.gpus, command=command, log=str(log_path),
+                  status="failed",
                   returncode=None, wall_s=None, timing=None, error=None,
                   text_encoder=TIMING_ONLY_LABEL if random_text_encoder_override(base_cfg, settings.text_encoder)
                   else None)
@@ -165,10 +171,13 @@ def synthetic_source(kind: str, cache_root: Optional[Path], num_images: int, see
 
 
 def run_benchmark(config_paths: Sequence[Path], rows: Sequence[Row], settings: Settings, source, out_dir: Path,
-                  keep_work_dirs: bool = False, progress=print) -> List[dict]:
-    """Every row on every config, one child process at a time; the results in that order. ``source``: the
+                  keep_work_dirs: bool = False, progress=print,
+                  gpu_counts: Optional[Sequence[int]] = None) -> List[dict]:
+    """Every row on every config, on each of ``gpu_counts`` (default: ``settings.gpus``), one child process (or one
+    torch.distributed.run) at a time; the results in that order (config, then GPU count, then row). ``source``: the
     :class:`CocoSource` of every config, or a function from a config's dataset kind (:func:`check_supported`) to
     its set."""
+    gpu_counts = list(gpu_counts or [settings.gpus])
     config_paths = [Path(p).resolve() for p in config_paths]
     base_cfgs, sources = {}, {}
     for path in config_paths:
@@ -178,12 +187,16 @@ def run_benchmark(config_paths: Sequence[Path], rows: Sequence[Row], settings: S
     scratch = Path(tempfile.mkdtemp(prefix="train_benchmark_"))
     results = []
     try:
+        total = len(config_paths) * len(gpu_counts) * len(rows)
         for path in config_paths:
-            for row in rows:
-                progress(f"[{len(results) + 1}/{len(config_paths) * len(rows)}] {path.name} {row.label} ...")
-                result = run_row(path, base_cfgs[path], row, sources[path], settings, scratch, out_dir)
-                progress(f"    {result['status']} in {result['wall_s'] or 0:.0f} s (log: {result['log']})")
-                results.append(result)
+            for gpus in gpu_counts:
+                on_gpus = dataclasses.replace(settings, gpus=gpus)
+                for row in rows:
+                    where = "" if gpu_counts == [1] else f" on {gpus} GPU" + ("s" if gpus > 1 else "")
+                    progress(f"[{len(results) + 1}/{total}] {path.name} {row.label}{where} ...")
+                    result = run_row(path, base_cfgs[path], row, sources[path], on_gpus, scratch, out_dir)
+                    progress(f"    {result['status']} in {result['wall_s'] or 0:.0f} s (log: {result['log']})")
+                    results.append(result)
     finally:
         if keep_work_dirs:
             progress(f"work dirs kept in {scratch}")
@@ -224,8 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, default=Path("bench_results/train"),
                         help="JSON, CSV and Markdown results, row logs and overlay configs")
     parser.add_argument("--keep-work-dirs", action="store_true", help="keep the rows' mmengine work dirs")
-    parser.add_argument("--gpus", type=int, default=1,
-                        help="GPUs per row: >1 runs each row with DDP, one process per GPU (--batch-size per GPU)")
+    parser.add_argument("--gpus", type=parse_gpu_count, nargs="+", default=[1], metavar="N",
+                        help="GPUs per row: >1 runs each row data-parallel, one process per GPU (--batch-size per "
+                             "GPU); several counts (--gpus 1 4) run every row on each, and the report adds the "
+                             "scaling against one GPU and, under FlatGradientsDataParallel, each rank's compute, "
+                             "all-reduce, wait for slower ranks and the communication estimate")
     parser.add_argument("--numa-binding", default=None, metavar="MODE",
                         help="with --gpus > 1: bind each rank to the CPUs near its GPU (torch.distributed.run's "
                              "--numa-binding: node, socket, exclusive or core-complex)")
@@ -237,6 +253,17 @@ def build_parser() -> argparse.ArgumentParser:
                         help="profile STEPS iterations from iteration FIRST on every rank (torch.profiler tables "
                              "and a Chrome trace per rank in OUT_DIR/profiles/; profiled iterations run slower)")
     return parser
+
+
+def parse_gpu_count(text: str) -> int:
+    """A GPU count >= 1; an argparse error names the bad text."""
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"--gpus {text!r} is not a whole number >= 1")
+    return count
 
 
 def parse_profile_window(text: str) -> Tuple[int, int]:
@@ -255,7 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     settings = Settings(iters=args.iters, batch_size=args.batch_size, workers=args.workers,
                         first_iters=args.first_iters, steady_start=args.steady_start,
-                        logger_interval=args.logger_interval, timeout_s=args.timeout, gpus=args.gpus,
+                        logger_interval=args.logger_interval, timeout_s=args.timeout, gpus=args.gpus[0],
                         numa_binding=args.numa_binding,
                         profile_first=args.profile[0] if args.profile else None,
                         profile_steps=args.profile[1] if args.profile else 3, text_encoder=args.text_encoder)
@@ -274,7 +301,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             used[kind] = synthetic_source(kind, args.data_cache, args.images, args.seed)
         return used[kind]
     try:
-        results = run_benchmark(args.configs, args.rows, settings, source_of, out_dir, args.keep_work_dirs)
+        results = run_benchmark(args.configs, args.rows, settings, source_of, out_dir, args.keep_work_dirs,
+                                gpu_counts=list(dict.fromkeys(args.gpus)))
     except UnsupportedConfig as error:
         raise SystemExit(str(error))
     report = summarize(results, settings, next(iter(used.values())))

@@ -186,7 +186,7 @@ def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
     table = split_table([dict(config="c.py", row="ours:bf16", split=split, steady_replay_median_ms=187.5)], (1, 5),
                         (4, 5))
     assert table[-3].endswith("| replay | other | replay median, it 4-5 |")
-    assert table[-1] == ("| c.py | ours:bf16 | 1, 2.00 s, 2000 | 1, 0.50 s, 500 | 1, 0.75 s, 750 | 2, 0.38 s, 188 "
+    assert table[-1] == ("| c.py | 1 | ours:bf16 | 1, 2.00 s, 2000 | 1, 0.50 s, 500 | 1, 0.75 s, 750 | 2, 0.38 s, 188 "
                          "| - | 187.5 ms |")
     # Stock training (no graphed region): every iteration after the first is "other".
     stock = IterationTimerHook(windows=[(1, 3)], out_file=str(tmp_path / "s.json"), clock=FakeClock())
@@ -198,3 +198,38 @@ def test_timer_splits_the_run_by_what_graphed_training_did(tmp_path):
 def test_timer_rejects_bad_windows():
     with pytest.raises(ValueError, match=r"window \(3, 2\)"):
         IterationTimerHook(windows=[(3, 2)])
+
+
+def test_timer_turns_on_the_wrappers_step_times_and_writes_them_per_rank(tmp_path):
+    from deform_plugin.engine.step_times import StepTimes
+    clock = FakeClock()
+
+    class TimedWrapper(torch.nn.Module):  # stands for FlatGradientsDataParallel
+        step_times = None
+
+        def enable_step_times(self):
+            self.step_times = StepTimes("cpu", clock=clock)
+            return self.step_times
+
+    wrapper = TimedWrapper()
+    hook = IterationTimerHook(windows=[(1, 2)], warmup_iters=1, out_file=str(tmp_path / "t.json"), clock=clock)
+    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=wrapper, optim_wrapper=None)
+    hook.before_train(runner)
+    assert wrapper.step_times is not None  # on before the first step
+    for batch_idx, (compute_s, reduce_s) in enumerate([(0.25, 0.125), (0.5, 0.0625)]):
+        wrapper.step_times.start()
+        clock.now += compute_s
+        wrapper.step_times.mark("gradients_ready")
+        clock.now += reduce_s
+        wrapper.step_times.mark("reduced")
+        wrapper.step_times.end()
+        hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=[None]))
+    hook.after_train(runner)
+    result = json.loads((tmp_path / "t.json").read_text())
+    # One process: the gathered ranks are this one's figures alone.
+    assert result["data_parallel_steps"] == dict(world_size=1, clock="host", ranks=[[
+        dict(step=1, compute_ms=250.0, all_reduce_ms=125.0, step_ms=375.0),
+        dict(step=2, compute_ms=500.0, all_reduce_ms=62.5, step_ms=562.5)]])
+    stock = IterationTimerHook(windows=[(1, 1)], out_file=str(tmp_path / "s.json"), clock=FakeClock())
+    run_fake_training(stock, iterations=1, tmp_path=tmp_path)  # a model without step times: nothing gathered
+    assert json.loads((tmp_path / "s.json").read_text())["data_parallel_steps"] is None

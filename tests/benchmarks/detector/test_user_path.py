@@ -37,6 +37,29 @@ def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
     assert not any("numa" in part for part in single)  # one process: nothing to bind
 
 
+def test_every_row_runs_on_each_gpu_count_in_turn(tmp_path, monkeypatch):
+    runs = []
+
+    def fake_run_row(config_path, base_cfg, row, source, settings, scratch, out_dir):
+        runs.append((row.label, settings.gpus))
+        return dict(config=str(config_path), row=row.label, gpus=settings.gpus, status="ok", wall_s=0.0, log="-")
+    monkeypatch.setattr(user_path, "run_row", fake_run_row)
+    rows = [user_path.parse_row("stock:fp32"), user_path.parse_row("ours:bf16")]
+    results = user_path.run_benchmark([TINY_COCO_CONFIG], rows, user_path.Settings(), source=None, out_dir=tmp_path,
+                                      progress=lambda line: None, gpu_counts=[1, 4])
+    assert runs == [("stock:fp32", 1), ("ours:bf16", 1), ("stock:fp32", 4), ("ours:bf16", 4)]
+    assert [r["gpus"] for r in results] == [1, 1, 4, 4]
+    args = user_path.build_parser().parse_args([str(TINY_COCO_CONFIG), "--gpus", "1", "4"])
+    assert args.gpus == [1, 4] and user_path.build_parser().parse_args([str(TINY_COCO_CONFIG)]).gpus == [1]
+
+
+@pytest.mark.parametrize("text", ["0", "two", "-1"])
+def test_a_bad_gpu_count_is_refused_with_its_text(text):
+    import argparse
+    with pytest.raises(argparse.ArgumentTypeError, match=f"--gpus '{text}'"):
+        user_path.parse_gpu_count(text)
+
+
 @pytest.mark.parametrize("text", ["151", "a:3", "0:3", "151:0", "1:2:3"])
 def test_a_bad_profile_window_is_refused_with_its_text(text):
     import argparse
