@@ -1,6 +1,7 @@
 """Gradient slots for graphed regions, and FlatGradientsDataParallel: the gradients autograd would give (one
 process), the mean of the ranks' gradients (two gloo ranks), and the config-level wiring."""
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -26,8 +27,8 @@ def _trainable_grads(net):
 def gloo_results(tmp_path_factory):
     """{worker name: its folder}: the three two-rank workers of this file, run in one pair of gloo ranks (spawning a
     pair costs seconds)."""
-    return run_gloo_workers((_wrapper_worker, _train_step_worker, _runner_worker, _step_times_worker),
-                            tmp_path_factory.mktemp("gloo"))
+    return run_gloo_workers((_wrapper_worker, _train_step_worker, _runner_worker, _step_times_worker,
+                             _timing_hook_worker), tmp_path_factory.mktemp("gloo"))
 
 
 def test_slots_view_one_flat_buffer_per_dtype_in_parameter_order():
@@ -255,7 +256,7 @@ def test_the_fast_configs_with_graphed_training_select_the_flat_gradients_wrappe
         assert cfg.model_wrapper_cfg == dict(type="FlatGradientsDataParallel"), name
 
 
-SLOW_RANK_SECONDS = 0.3  # rank 1's extra forward time per step in _step_times_worker
+SLOW_RANK_SECONDS = 0.2  # rank 1's extra forward time per step in _step_times_worker
 
 
 def _step_times_worker(rank, out_dir):
@@ -311,6 +312,42 @@ def test_every_rank_times_its_compute_and_all_reduce_and_no_reduction_ends_befor
         last_ready = max(steps[step]["gradients_ready"] for steps in marks)
         assert all(steps[step]["reduced"] >= last_ready for steps in marks)
         assert ranks[1]["records"][step - 1]["compute_ms"] >= 1000 * SLOW_RANK_SECONDS
+
+
+def _timing_hook_worker(rank, out_dir):
+    # The training benchmark's timing hook turns the wrapper's step times on and gathers both ranks' to rank 0.
+    from types import SimpleNamespace
+
+    from mmengine.optim import OptimWrapper
+
+    from deform_plugin.benchmarks.detector.iteration_timer import IterationTimerHook
+
+    torch.manual_seed(0)
+    model = _toy_model()
+    wrapper = FlatGradientsDataParallel(model)
+    optim = OptimWrapper(torch.optim.SGD(model.parameters(), lr=0.5))
+    hook = IterationTimerHook(windows=[(1, 2)], warmup_iters=1, out_file=str(out_dir / "timing.json"))
+    runner = SimpleNamespace(iter=0, work_dir=str(out_dir), model=wrapper, optim_wrapper=optim)
+    hook.before_train(runner)
+    if rank == 1:  # a clock that moves one second per reading: rank 1's figures are told apart from rank 0's
+        seconds = iter(range(100))
+        wrapper.step_times.clock = lambda: float(next(seconds))
+    for batch_idx in range(2):
+        inputs = torch.ones(2, 3, dtype=torch.float64)
+        wrapper.train_step(dict(inputs=inputs), optim)
+        hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=inputs))
+    hook.after_train(runner)
+
+
+def test_the_timing_hook_gathers_every_ranks_step_times_to_rank_0(gloo_results):
+    result = json.loads((gloo_results["_timing_hook_worker"] / "timing.json").read_text())
+    figures = result["data_parallel_steps"]
+    assert (figures["world_size"], figures["clock"]) == (2, "host")
+    first, second = figures["ranks"]
+    assert second == [dict(step=1, compute_ms=1000.0, all_reduce_ms=1000.0, step_ms=3000.0),
+                      dict(step=2, compute_ms=1000.0, all_reduce_ms=1000.0, step_ms=3000.0)]
+    assert [r["step"] for r in first] == [1, 2] and first != second  # rank 0's own, on the host clock
+    assert all(r["compute_ms"] > 0 and 0 <= r["all_reduce_ms"] < r["step_ms"] for r in first)
 
 
 class _RankDataset(torch.utils.data.Dataset):

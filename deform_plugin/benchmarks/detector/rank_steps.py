@@ -3,8 +3,9 @@
 Each rank's ``FlatGradientsDataParallel`` times its steps (:class:`deform_plugin.engine.step_times.StepTimes`, CUDA
 events on the compute stream): ``compute`` from the step's start to its gradients ready for reduction, ``all-reduce``
 from then until the compute stream sees the reduction done, and the whole ``step`` (optimizer included; the
-iteration's data loading and hooks are not). The timing hook gathers the ranks' figures to rank 0
-(``data_parallel_steps`` in a row's timing JSON).
+iteration's data loading and hooks are not). The timing hook turns the timing on before the first iteration and
+gathers the ranks' figures to rank 0 (``data_parallel_steps`` in a row's timing JSON); the wrapper's step n is the
+run's iteration n (one train step per iteration).
 
 An all-reduce completes on every rank only once the last rank has joined it and the data has moved: on the rank
 that arrived last, the all-reduce is (nearly) the transfer alone; on every other rank it is the transfer plus the
