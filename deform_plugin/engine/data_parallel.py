@@ -110,8 +110,8 @@ class FlatGradientsDataParallel(nn.Module):
         find_unused_parameters: accepted for configs written for ``MMDistributedDataParallel``; either way a
             parameter without a gradient contributes zeros (nothing to find).
         time_steps: keep each step's compute, all-reduce and step milliseconds in :attr:`step_times` (off by
-            default: the cost per step is four CUDA event records, a few microseconds, but the figures grow by one
-            record per step for the whole run; the training benchmark turns it on).
+            default: a step's cost is four CUDA event records and one event query, no sync, but the figures grow
+            by one record per step for the whole run; the training benchmark turns it on).
     """
 
     def __init__(self, module: nn.Module, process_group=None, broadcast_buffers: bool = False,
