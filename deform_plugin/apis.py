@@ -19,6 +19,7 @@ from typing import Dict, Optional
 from .cpu_threads import GPU_INFERENCE_CPU_THREADS, cap_threads_for_gpu_inference, check_thread_limit
 from .cuda_graphs import CapturePolicy, InferenceBuckets
 from .integration.mmdet_fast_paths import apply_fast_paths
+from .integration.mmdet_fast_paths.ddq_nms import has_ddq_nms
 from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
 
 __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference", "throughput_buckets"]
@@ -28,9 +29,10 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
                           cpu_threads: Optional[int] = GPU_INFERENCE_CPU_THREADS) -> Dict[str, object]:
     """Make ``model`` (an mmdet DETR-family or MaskFormer detector, in eval mode) infer at graph speed on CUDA.
 
-    Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``) and the SDPA attention
-    bricks, then replays each input shape's forward from a CUDA graph (:class:`GraphInference`): inputs are padded
-    to ``buckets`` (default: 32 px steps, borrowing a captured shape of at most 15% more pixels; None: no padding;
+    Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``), the SDPA attention
+    bricks and, for DDQ-DETR, its NMS in float32 (``float32_nms``: it runs under autocast; a no-op in float32), then
+    replays each input shape's forward from a CUDA graph (:class:`GraphInference`): inputs are padded to
+    ``buckets`` (default: 32 px steps, borrowing a captured shape of at most 15% more pixels; None: no padding;
     :func:`throughput_buckets` for sizes that rarely repeat, with more padding), a shape is captured once it
     recurs, and shapes beyond the ``policy``'s caps run eagerly (default: captured at the second call, at most 16
     graphs). On a CPU the model runs as before.
@@ -45,7 +47,9 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     """
     check_thread_limit(cpu_threads)
     model.eval()
-    changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True))
+    # float32_nms only where there is a DDQ-DETR NMS to change: elsewhere it would log that it changes nothing.
+    changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True,
+                                                       float32_nms=has_ddq_nms(model)))
     changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
     on_gpu = any(parameter.is_cuda for parameter in model.parameters())
     if on_gpu:

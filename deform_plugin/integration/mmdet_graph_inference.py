@@ -6,7 +6,8 @@ neck, transformer and head forward: fixed-size tensors in and out, no host sync 
 is captured once per input shape and replayed; the *post-processing* (top-k, rescaling to the original image, mask
 fusion: data-dependent and cheap) runs eagerly on the replayed outputs, as mmdet runs it. DDQ-DETR selects its
 decoder's queries with NMS (a data-dependent number of boxes, read on the host): its region ends with the encoder,
-and its decoder and head run eagerly with the post-processing.
+and its decoder and head run eagerly with the post-processing (under autocast on float32 NMS inputs: the
+``float32_nms`` fast path, which :func:`deform_plugin.apis.enable_fast_inference` turns on).
 
 Real photos come in many sizes, and a graph serves one shape. So each input is padded up to a bucket
 (:class:`~deform_plugin.cuda_graphs.InferenceBuckets`): the DETRs take each image's size inside the padded input as

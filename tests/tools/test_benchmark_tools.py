@@ -94,10 +94,11 @@ def test_benchmark_compares_rows_and_writes_table_json_csv_png(micro_config, tmp
     assert fast["optimizer"]["param_groups"] < rows["pytorch:fp32:none"]["optimizer"]["param_groups"]
     # The demo detector: two attention bricks, one assigner and head, one detector with a forward to make sync-free;
     # graph inference needs CUDA and is not applied on a CPU; the graph-replayed training region runs eagerly there;
-    # three FFNs without dropout (recomputed in the backward), none with (nothing to fuse).
+    # three FFNs without dropout (recomputed in the backward), none with (nothing to fuse); no DDQ-DETR NMS.
     assert fast["fast_path_sites"] == {"sdpa_attention": 2, "hungarian_host_syncs": 1, "batched_matching": 1,
                                        "sync_free_losses": 1, "batched_losses": 1, "sync_free_forward": 1,
-                                       "relu_dropout_fusion": 0, "ffn_recompute": 3, "cuda_graphs": 1}
+                                       "relu_dropout_fusion": 0, "ffn_recompute": 3, "float32_nms": 0,
+                                       "cuda_graphs": 1}
     # Exact fast paths: the first step's loss (forward) and the next one (after an optimizer step) agree.
     for key in ("first_step_losses", "last_step_losses"):
         reference = rows["pytorch:fp32:none"]["train"][key]["loss"]

@@ -30,7 +30,7 @@ PLUGIN_TYPE_BASES = {"SyncFreeOptimWrapper": "OptimWrapper", "SyncFreeAmpOptimWr
 FAST_PATH_SWITCHES = {"optim": (), "sdpa": ("sdpa_attention",), "matching": ("batched_matching",),
                       "losses": ("sync_free_losses",), "batched": ("batched_losses",),
                       "forward": ("sync_free_forward",), "graph": ("cuda_graphs",),
-                      "ffn": ("relu_dropout_fusion", "ffn_recompute"), "buckets": ()}
+                      "ffn": ("relu_dropout_fusion", "ffn_recompute"), "nms": ("float32_nms",), "buckets": ()}
 # ShapeBucketsHook's default, for rows that force the buckets on a config without the hook.
 DEFAULT_BUCKET_DIVISOR = 128
 # mmdet's usual COCO test scale, used when a config's pipelines fix no size.

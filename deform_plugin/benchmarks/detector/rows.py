@@ -8,7 +8,7 @@
              optim (merged param groups + fused/foreach optimizer), sdpa (SDPA attention bricks),
              matching (batched Hungarian matching with fewer host syncs), losses (sync-free loss normalisers),
              forward (sync-free forward), graph (training: the forward and backward replayed from CUDA graphs per
-             input shape; inference rows: the forward captured in a CUDA graph)
+             input shape; inference rows: the forward captured in a CUDA graph), nms (DDQ-DETR's NMS in float32)
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import List, Optional
 BACKEND_CHOICES = ("stock", "mmcv", "pytorch", "triton", "auto")
 MODE_CHOICES = ("fp32", "fp16", "bf16")
 # 'all' selects the exact ones; 'buckets' (ShapeBucketsHook's training padding) changes the padding, so a row names it.
-EXACT_FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "batched", "forward", "graph", "ffn")
+EXACT_FAST_PATH_CHOICES = ("optim", "sdpa", "matching", "losses", "batched", "forward", "graph", "ffn", "nms")
 FAST_PATH_CHOICES = EXACT_FAST_PATH_CHOICES + ("buckets",)
 
 

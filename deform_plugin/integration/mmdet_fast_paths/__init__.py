@@ -25,11 +25,14 @@ instances of one model only; each is exact (see its module):
   ``gradient_slots``;
 - ``relu_dropout_fusion`` and ``ffn_recompute`` (:mod:`.ffn_memory`): mmcv ``FFN``'s ReLU and dropout keep one
   activation for backward instead of three; FFNs without dropout recompute their hidden layer in the backward
-  (less training memory).
+  (less training memory);
+- ``float32_nms`` (:mod:`.ddq_nms`): DDQ-DETR's NMS takes its boxes and scores in float32, so that it runs under
+  autocast (bf16 training and inference).
 
-All but the first and the last two replace private methods of mmdet 3.3.0 with copies: they refuse other mmdet
-versions (:mod:`deform_plugin.integration.mmdet_version`). A switch that finds nothing it knows in a model (a
-detector family it does not serve, a subclass that changes the methods it replaces) leaves that model as it is and
+All but ``sdpa_attention``, ``relu_dropout_fusion`` and ``ffn_recompute`` replace private methods of mmdet 3.3.0 with
+copies (``float32_nms`` rebuilds two of them from mmdet's own code): they refuse other mmdet versions
+(:mod:`deform_plugin.integration.mmdet_version`). A switch that finds nothing it knows in a model (a detector family
+it does not serve, a subclass that changes the methods it replaces) leaves that model as it is and
 says so in a warning that names the switch, the model and what it looks for.
 """
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ..mmdet_version import MIRRORED_MMDET_VERSION, check_mirrored_mmdet_version
 from .batched_losses import enable_batched_losses
 from .batched_matching import enable_batched_matching
 from .ddq_losses import enable_ddq_one_pass_losses
+from .ddq_nms import enable_float32_nms
 from .ffn_memory import enable_ffn_recompute, enable_relu_dropout_fusion
 from .graphed_training import enable_cuda_graphs
 from .grounding_dino_losses import enable_grounding_batched_losses, enable_grounding_host_syncs, grounding_refusals
@@ -73,6 +77,7 @@ _WHAT_EACH_SWITCH_CHANGES = {
                    "mmdet's own training loss",
     "relu_dropout_fusion": "mmcv FFNs with a ReLU and a dropout of probability between 0 and 1",
     "ffn_recompute": "mmcv FFNs without dropout",
+    "float32_nms": "DDQ-DETR detectors and decoders with mmdet's own pre_decoder and select_distinct_queries",
 }
 
 
@@ -134,6 +139,9 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
         changed["relu_dropout_fusion"] = enable_relu_dropout_fusion(model)
     if paths.ffn_recompute:
         changed["ffn_recompute"] = enable_ffn_recompute(model)
+    if paths.float32_nms:
+        check_mirrored_mmdet_version("fast path float32_nms")
+        changed["float32_nms"] = enable_float32_nms(model)
     if paths.cuda_graphs:
         check_mirrored_mmdet_version("fast path cuda_graphs")
         split = paths.split_graphs_at_features

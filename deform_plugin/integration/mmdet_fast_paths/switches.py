@@ -41,6 +41,9 @@ class FastPaths:
             (less memory; the same outputs, random draws and gradients).
         ffn_recompute: mmcv ``FFN`` modules without dropout keep only their input and recompute their hidden layer in
             the backward (less memory for two more matmuls per FFN; the same outputs and gradients).
+        float32_nms: DDQ-DETR's NMS (the distinct queries' selection before and between its decoder layers) takes
+            its boxes and scores in float32 where they are bf16 or fp16, so that it runs under autocast (stock's
+            fails there) and decides as float32 NMS on those values; a no-op in float32.
         split_graphs_at_features: with ``cuda_graphs``, the DETRs' backbone and neck captured as a region of their
             own, so that DistributedDataParallel all-reduces the other gradients while the backbone's backward
             replays. None: only under DistributedDataParallel (see
@@ -56,6 +59,7 @@ class FastPaths:
     cuda_graphs: bool = False
     relu_dropout_fusion: bool = False
     ffn_recompute: bool = False
+    float32_nms: bool = False
     split_graphs_at_features: Optional[bool] = None
 
     def __post_init__(self):

@@ -14,7 +14,10 @@ import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 
 FAST_CONFIG = "configs/fast/ddq-detr-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"
 SWITCHES = dict(sdpa_attention=True, batched_matching=True, batched_losses=True, sync_free_forward=True,
-                cuda_graphs=True, ffn_recompute=True)
+                cuda_graphs=True, ffn_recompute=True, float32_nms=True)
+# mmcv's batched_nms runs NMS group by group from split_thr boxes on (10000: the encoder's proposals at COCO sizes),
+# where bf16 scores fail; the small detector's encoder has a few hundred tokens, so the bf16 tests lower it.
+GROUPED_NMS_FROM = 16
 
 
 def _fast_config():
@@ -142,3 +145,61 @@ def test_on_cuda_the_fast_step_follows_the_plain_step_over_optimizer_steps():
     # What is left waiting in the fast step: the NMS that selects the distinct queries (as many waits as stock's) and
     # the loss's one copy (tests/integration/mmdet_fast_paths/test_ddq_losses.py counts the loss alone).
     assert syncs[1] < syncs[0], syncs
+
+
+def _with_grouped_nms(detector):
+    detector.cache_dict["dqs_cfg"] = dict(detector.cache_dict["dqs_cfg"], split_thr=GROUPED_NMS_FROM)
+    return detector
+
+
+def test_the_fast_configs_switches_train_a_bf16_autocast_step_where_the_plain_configs_fail():
+    # CPU autocast: bf16 class scores reach the NMS as under CUDA's, and DDQAuxLoss's stock targets fail as well.
+    from mmengine.registry import HOOKS
+    stock = _with_grouped_nms(small_detector("ddq", dtype=torch.float32, layers=2, feedforward_channels=256,
+                                             queries=30, config=FAST_CONFIG))
+    fast = copy.deepcopy(stock)
+    hooks = [HOOKS.build(hook) for hook in _fast_config().custom_hooks]
+    hooks[0].before_run(types.SimpleNamespace(model=fast, hooks=hooks, optim_wrapper=None))
+    inputs, samples = _training_batch(((96, 128), (80, 104)))
+    inputs = inputs.float()
+    for sample in samples:
+        sample.gt_instances.bboxes = sample.gt_instances.bboxes.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match="Index put requires the source and destination dtypes match"):
+            _losses_and_gradients(stock, inputs, samples)
+        losses, grads = _losses_and_gradients(fast, inputs, samples)
+    assert all(torch.isfinite(value).all() for value in losses.values())
+    assert losses["loss_cls"] > 0 and losses["aux_enc_aux_loss_cls[0]"] > 0
+    assert all(torch.isfinite(grad).all() for grad in grads if grad is not None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA autocast and CUDA graphs need a CUDA device")
+def test_on_cuda_the_fast_switches_train_bf16_autocast_steps_where_stocks_fail():
+    from deform_plugin.cuda_graphs import CapturePolicy
+    from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+    stock = _with_grouped_nms(small_detector("ddq", dtype=torch.float32, layers=2, feedforward_channels=256,
+                                             queries=30)).cuda()
+    fast = copy.deepcopy(stock)
+    apply_fast_paths(fast, capture_policy=CapturePolicy(capture_after=1), **SWITCHES)
+    (region,) = fast.graphed_training_regions
+
+    def step(model, inputs, samples):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            losses = flat_losses(model.loss(inputs, copy.deepcopy(samples)))
+        sum(value.sum() for value in losses.values()).backward()
+        return losses
+
+    inputs, samples = _training_batch(((128, 160), (112, 136)), height=128, width=160)
+    inputs = inputs.float().cuda()
+    for sample in samples:
+        sample.gt_instances = sample.gt_instances.to("cuda")
+        sample.gt_instances.bboxes = sample.gt_instances.bboxes.float()
+    with pytest.raises(RuntimeError, match="Index put requires the source and destination dtypes match"):
+        step(stock, inputs, samples)
+    for _ in range(3):  # eager (the kind's warm-up), captured, replayed
+        losses = step(fast, inputs, samples)
+        assert all(torch.isfinite(value).all() for value in losses.values())
+        assert all(torch.isfinite(p.grad).all() for p in fast.parameters() if p.grad is not None)
+    assert (region.eager_calls, len(region.captured)) == (1, 1) and region.replays >= 1

@@ -16,7 +16,7 @@ def test_every_switch_is_off_unless_set_and_truthy_values_count_as_on():
     paths = FastPaths(sdpa_attention=1, ffn_recompute=0, split_graphs_at_features=0)
     assert paths.sdpa_attention is True and paths.ffn_recompute is False
     assert paths.split_graphs_at_features is False
-    assert FAST_PATHS == FastPaths.switch_names() and len(FAST_PATHS) == 9
+    assert FAST_PATHS == FastPaths.switch_names() and len(FAST_PATHS) == 10
     assert FastPaths.field_names() == FAST_PATHS + ("split_graphs_at_features",)
 
 
