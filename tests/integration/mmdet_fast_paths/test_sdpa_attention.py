@@ -80,6 +80,28 @@ def test_sdpa_brick_in_eval_mode_ignores_attention_dropout_like_stock():
     torch.testing.assert_close(fast(query), stock(query), rtol=1e-10, atol=1e-11)
 
 
+def test_sdpa_brick_leaves_cudnn_attention_out_in_eval_mode_only():
+    # cuDNN's attention plans each new key length (inference meets one per image size); training keeps PyTorch's
+    # choice. The flag is read where the attention runs: inside nn.MultiheadAttention's forward.
+    _, fast = _attention_pair(batch_first=True)
+    seen = []
+    forward = fast.attn.forward
+
+    def recording_forward(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return forward(*args, **kwargs)
+
+    fast.attn.forward = recording_forward
+    query = torch.randn(2, 9, 32, dtype=torch.float64)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    fast.train()
+    fast(query)
+    fast.eval()
+    fast(query)
+    assert seen == [before, False]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before  # restored after the call
+
+
 def test_sdpa_switch_keeps_parameters_and_state_dict_and_can_be_undone():
     stock, fast = _attention_pair(batch_first=True)
     assert list(fast.state_dict()) == list(stock.state_dict())
