@@ -19,11 +19,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warmup = commands.add_parser(
         "warmup", help="compile every Triton MSDA kernel variant a config's model launches, into Triton's on-disk "
         "cache (once per machine)", description="Compile every Triton MSDA kernel variant that CONFIG's model "
-        "launches, in float32 and the --amp-dtype given, one process per variant, into Triton's on-disk cache.")
+        "launches, in float32 and the --amp-dtype given, one process per kernel variant, into Triton's on-disk "
+        "cache: for this machine's GPU, or with --arch for a GPU architecture on a machine without one.")
     warmup.add_argument("config", help="an mmdet config with custom_imports=['deform_plugin']")
     warmup.add_argument("--amp-dtype", choices=("float16", "bfloat16"), action="append", default=[],
                         help="also the variants of this autocast dtype (repeatable)")
     warmup.add_argument("--serial", action="store_true", help="compile one after another in this process")
+    warmup.add_argument("--arch", type=int, default=None, metavar="CAPABILITY",
+                        help="compile for this CUDA compute capability, major * 10 + minor (90: H100/H200, 80: "
+                        "A100), without a GPU; TRITON_CACHE_DIR then names the cache to fill")
     args = parser.parse_args(argv)
     if args.command == "check":
         from .check import run_check
@@ -32,7 +36,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .cli import require_path
         require_path("config", args.config)
         from .warmup import run_warmup
-        return run_warmup(args.config, ["float32"] + args.amp_dtype, parallel=not args.serial)
+        return run_warmup(args.config, ["float32"] + args.amp_dtype, parallel=not args.serial, arch=args.arch)
     parser.error(f"unknown command {args.command!r}")
     return 2
 

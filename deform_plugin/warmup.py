@@ -1,14 +1,15 @@
 """``python -m deform_plugin warmup CONFIG``: compile every Triton MSDA kernel variant a config's model launches.
 
-A machine's first run compiles each variant when the model first reaches it (a second or two each, one after
+A machine's first run compiles each variant when the model first reaches it (1-6 s each on a CPU host, one after
 another). Run once per machine (for example while building a container image), this puts them all into Triton's
-on-disk cache at once, one process per variant; every later run loads them in milliseconds. Training runs with
+on-disk cache at once, one worker process per variant; every later run loads them in milliseconds. With ``--arch``
+it compiles for that GPU architecture on a machine without a GPU (``--arch 90``: H100/H200). Training runs with
 ``FastPathsHook`` start the same compiles in the background by themselves.
 """
 from __future__ import annotations
 
 import time
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 
 def model_from_config(config_path: str):
@@ -24,34 +25,53 @@ def model_from_config(config_path: str):
 
 
 def compile_variants(variants: Sequence, parallel: bool = True) -> float:
-    """Compile ``variants`` (one process each with ``parallel``, else one after another here); wall seconds."""
-    from deform_plugin.ops.msda.precompile import precompile_in_background, run_variant
+    """Compile ``variants``' kernels (one worker process per kernel variant with ``parallel``, else one after another
+    here) for the active GPU target; wall seconds."""
+    from deform_plugin.ops.background_compile import compile_jobs_here, start_background_compiles
+    from deform_plugin.ops.msda.precompile import compile_jobs
     started = time.perf_counter()
+    jobs = compile_jobs(variants)
     if parallel:
-        failed = [process.args for process in precompile_in_background(variants) if process.wait() != 0]
+        processes = start_background_compiles(jobs)
+        failed = [process.args for process in processes if process.wait() != 0]
         if failed:
-            raise RuntimeError(f"{len(failed)} of {len(variants)} variants failed to compile; first: {failed[0]}")
+            raise RuntimeError(f"{len(failed)} of {len(processes)} kernel variants failed to compile; the first "
+                               f"worker's command: {failed[0]}")
     else:
-        for variant in variants:
-            run_variant(variant)
+        compile_jobs_here(jobs)
     return time.perf_counter() - started
 
 
-def run_warmup(config_path: str, dtypes: List[str], parallel: bool = True) -> int:
+def unavailable_reason(arch: Optional[int]) -> Optional[str]:
+    """Why the kernels cannot be compiled here, or None: a CUDA device, or ``arch`` without one."""
     import torch
 
-    from deform_plugin.engine.triton_precompile import model_msda_variants
     from deform_plugin.ops.triton_support import triton_interpreter_enabled, triton_unavailable_reason
-    reason = ("no CUDA device" if not torch.cuda.is_available() else "Triton runs in its interpreter"
-              if triton_interpreter_enabled() else triton_unavailable_reason(torch.device("cuda")))
+    if triton_interpreter_enabled():
+        return "Triton runs in its interpreter (TRITON_INTERPRET is set)"
+    if arch is not None:
+        return triton_unavailable_reason(torch.device("cuda"))
+    if not torch.cuda.is_available():
+        return "no CUDA device (--arch compiles for a GPU architecture without one)"
+    return triton_unavailable_reason(torch.device("cuda"))
+
+
+def run_warmup(config_path: str, dtypes: List[str], parallel: bool = True, arch: Optional[int] = None) -> int:
+    reason = unavailable_reason(arch)
     if reason is not None:
         print(f"error: warmup compiles Triton kernels for a CUDA device, and here: {reason}")
         return 2
+    if arch is not None:
+        from deform_plugin.ops.compile_worker import use_compile_only_target
+        use_compile_only_target("cuda", arch)
+    from deform_plugin.engine.triton_precompile import model_msda_variants
     variants = model_msda_variants(model_from_config(config_path), dtypes)
     if not variants:
         print(f"{config_path}: its model has no deform_plugin MSDA module: nothing to compile")
         return 0
     seconds = compile_variants(variants, parallel)
     how = "in parallel processes" if parallel else "one after another"
-    print(f"compiled {len(variants)} Triton MSDA kernel variants ({', '.join(dtypes)}) {how} in {seconds:.1f} s")
+    target = f" for sm_{arch}" if arch is not None else ""
+    print(f"compiled the Triton MSDA kernels of {len(variants)} variants ({', '.join(dtypes)}){target} {how} in "
+          f"{seconds:.1f} s")
     return 0

@@ -9,7 +9,8 @@ may name our modules without ``custom_imports``), checkpoints load under torch >
 bfloat16 as well as mmdet's float16; mixed precision runs through ``SyncFreeAmpOptimWrapper`` (bf16 without a loss
 scaler, which it does not need; fp16 with mmdet's dynamic loss scaling). Every run gets ``OptimizerStateByNameHook``,
 so ``--resume`` takes a checkpoint of a plain config under a ``configs/fast/`` one and the other way round (stock
-mmdet checkpoints included), optimizer and LR-scheduler state carried over by parameter name.
+mmdet checkpoints included), optimizer and LR-scheduler state carried over by parameter name. Where the config's
+``FastPathsHook`` compiles the Triton kernels ahead, they start compiling as soon as the Runner is built.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from mmengine.runner import Runner
 from deform_plugin.cli import (AMP_DTYPES, apply_resume, build_runner, enable_amp, enable_auto_scale_lr,
                                enable_resume_by_parameter_name, load_config, parse_with_common_arguments)
 from deform_plugin.cpu_threads import configure_cpu_threads
+from deform_plugin.engine.triton_precompile import precompile_runner_kernels
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -63,6 +65,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Runner:
     # Fewer recompilations under torch.compile, as in mmdet's script.
     setup_cache_size_limit_of_dynamo()
     runner = build_runner(build_train_config(args))
+    # FastPathsHook's kernel compiles, started now rather than at before_run: they overlap train()'s building of
+    # the datasets, data loaders and optimizer.
+    precompile_runner_kernels(runner)
     runner.train()
     return runner
 

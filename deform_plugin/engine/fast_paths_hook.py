@@ -33,8 +33,10 @@ class FastPathsHook(Hook):
             2 (a random-resize pipeline's shapes rarely recur: a shape seen once runs eagerly).
         max_graphs (int): with ``cuda_graphs``, input shapes captured at most; later new shapes run eagerly.
         max_graph_memory_mb (float, optional): with ``cuda_graphs``, the device memory the captures may add, MiB.
-        precompile_triton (bool): compile the model's Triton MSDA kernels in background processes while the run
-            starts (default True; see :mod:`deform_plugin.ops.msda.precompile`).
+        precompile_triton (bool): compile the model's Triton MSDA kernels while the run starts, one worker process
+            per kernel variant, whose first launch then waits for its worker (default True; see
+            :mod:`deform_plugin.ops.background_compile`). Started at ``before_run``, or earlier by our
+            ``tools/train.py`` (:func:`~deform_plugin.engine.triton_precompile.precompile_runner_kernels`).
         cudnn_v7_api (bool, optional): choose convolution algorithms through cuDNN's v7 API, whose choice for a
             new input shape costs less host time, though its choices run slower once made
             (:mod:`deform_plugin.conv_planning` gives both figures). None (the default): on for a model on CUDA

@@ -2,11 +2,14 @@
 
 The first iteration of a run on a machine whose Triton cache is empty compiles every variant of the MSDA kernels
 that the model launches, one after another (see :mod:`deform_plugin.ops.msda.precompile`). Started from a hook's
-``before_run``, one process per variant compiles them into the on-disk cache while the run initialises its weights
-and starts its data loader's workers.
+``before_run``, one worker process per kernel variant compiles them all at once into the on-disk cache while the run
+initialises its weights and starts its data loader's workers; the run's first launch of a variant waits for its
+worker (:mod:`deform_plugin.ops.background_compile`).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import List
 
 import torch
@@ -14,9 +17,24 @@ from mmengine.logging import print_log
 
 
 def run_dtypes(optim_wrapper) -> List[str]:
-    """float32, and the autocast dtype of an ``AmpOptimWrapper`` (mmengine's, or a subclass)."""
+    """float32, and the autocast dtype of an ``AmpOptimWrapper`` (mmengine's, or a subclass; built, or its config
+    before the Runner builds it): its ``dtype``, or float16 where it has none (mmengine then autocasts to CUDA's
+    default, float16, as with ``--amp``)."""
+    from mmengine.optim import AmpOptimWrapper
+    from mmengine.registry import OPTIM_WRAPPERS
     dtypes = ["float32"]
-    cast = getattr(optim_wrapper, "cast_dtype", None)
+    if isinstance(optim_wrapper, dict):
+        wrapper_type = optim_wrapper.get("type", "OptimWrapper")
+        if isinstance(wrapper_type, str):
+            wrapper_type = OPTIM_WRAPPERS.get(wrapper_type)
+        amp = isinstance(wrapper_type, type) and issubclass(wrapper_type, AmpOptimWrapper)
+        cast = optim_wrapper.get("dtype", None) if amp else None
+        cast = getattr(torch, cast) if isinstance(cast, str) else cast
+    else:
+        amp = isinstance(optim_wrapper, AmpOptimWrapper)
+        cast = getattr(optim_wrapper, "cast_dtype", None)
+    if cast is None and amp:
+        cast = torch.float16
     if isinstance(cast, torch.dtype) and cast != torch.float32:
         dtypes.append(str(cast).replace("torch.", ""))
     return dtypes
@@ -35,15 +53,38 @@ def model_msda_variants(model, dtypes) -> list:
 
 def precompile_model_kernels(model, optim_wrapper) -> list:
     """Start compiling the model's MSDA kernel variants in background processes (on CUDA with Triton only); returns
-    the processes."""
+    the processes. Variants this process has compiled, or whose workers it started already, are left out."""
     from deform_plugin.ops.msda.precompile import precompile_in_background
     from deform_plugin.ops.triton_support import triton_interpreter_enabled, triton_unavailable_reason
     if (triton_interpreter_enabled() or not torch.cuda.is_available()
             or triton_unavailable_reason(torch.device("cuda")) is not None):
         return []
     variants = model_msda_variants(model, run_dtypes(optim_wrapper))
-    processes = precompile_in_background(variants)
+    device = next((p.device for p in model.parameters() if p.is_cuda), None)
+    try:
+        # Triton's JIT compiles for the current device's target: the model's GPU.
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            processes = precompile_in_background(variants)
+    except Exception as error:  # ahead of time only: the run's first launches compile and report real errors
+        print_log(f"deform_plugin: the background compile of the Triton MSDA kernels did not start ({error!r}); "
+                  "the first iteration compiles them", logger="current", level=logging.WARNING)
+        return []
     if processes:
-        print_log(f"deform_plugin: compiling {len(processes)} Triton MSDA kernel variants in background processes",
-                  logger="current")
+        print_log(f"deform_plugin: compiling {len(processes)} Triton MSDA kernel variants in background processes, "
+                  "one per variant", logger="current")
     return processes
+
+
+def precompile_runner_kernels(runner) -> list:
+    """What ``FastPathsHook(precompile_triton=True)`` starts at ``before_run``, started as soon as the Runner is
+    built (``tools/train.py`` calls it before ``runner.train()``): ``train()`` builds the loops' datasets and data
+    loaders (tens of seconds for COCO's annotations), the optimizer and the validation loop before ``before_run``,
+    and the kernels compile meanwhile. The hook's own call then starts nothing twice. Nothing where no
+    ``FastPathsHook`` asks for it."""
+    from mmengine.model import is_model_wrapper
+
+    from .fast_paths_hook import FastPathsHook
+    if not any(isinstance(hook, FastPathsHook) and hook.precompile_triton for hook in getattr(runner, "hooks", ())):
+        return []
+    model = runner.model.module if is_model_wrapper(runner.model) else runner.model
+    return precompile_model_kernels(model, getattr(runner, "optim_wrapper", None))

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from .background_compile import wait_for_background_compile
+
 # Looked up once: torch.compile cannot trace importlib calls made on every op call.
 _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
@@ -82,7 +84,8 @@ class DirectLaunches:
     pair of calls that Triton would compile apart; finer is harmless (one more launch through Triton).
 
     Under the interpreter, on CPU tensors and while a Triton launch hook is set (profilers use them), every launch
-    goes through Triton.
+    goes through Triton. A launch through Triton first waits for a background worker that compiles its variant,
+    where one was started (:mod:`deform_plugin.ops.background_compile`).
     """
 
     def __init__(self, kernel):
@@ -109,6 +112,9 @@ class DirectLaunches:
                 run(grid[0], grid[1], grid[2], stream, function, packed_metadata, None, None, None, *pointers,
                     *scalars)
                 return
+        # A variant this process has not loaded yet may be compiling in a background worker: wait for it rather
+        # than compile it a second time beside it (a dict lookup where no worker was started).
+        wait_for_background_compile(self.kernel, tensors, scalars, num_warps, num_stages)
         compiled = self.kernel[grid](*tensors, *scalars, num_warps=num_warps, num_stages=num_stages)
         if device.type == "cuda" and not triton_interpreter_enabled() and hasattr(compiled, "packed_metadata"):
             from triton import knobs  # kept, so that a direct launch runs no import statement

@@ -200,6 +200,51 @@ def test_the_kernels_to_precompile_are_the_models_msda_shapes_in_each_dtype_of_t
         ("bfloat16", 2), ("bfloat16", 4), ("float32", 2), ("float32", 4)]
     # mmengine's AmpOptimWrapper keeps its autocast dtype as cast_dtype (it refuses to build without a GPU).
     assert run_dtypes(types.SimpleNamespace(cast_dtype=torch.bfloat16)) == dtypes
+    from mmengine.optim import AmpOptimWrapper
+    without_dtype = AmpOptimWrapper.__new__(AmpOptimWrapper)  # --amp: no dtype, CUDA's autocast default
+    without_dtype.cast_dtype = None
+    assert run_dtypes(without_dtype) == ["float32", "float16"]
+
+
+@pytest.fixture
+def precompile_on_cuda(monkeypatch):
+    """precompile_model_kernels as on a CUDA host without the interpreter, its background start recorded."""
+    import deform_plugin.ops.msda.precompile as precompile
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    started = []
+    monkeypatch.setattr(precompile, "precompile_in_background", lambda variants: started.extend(variants) or
+                        ["a process"] * len(variants))
+    return started
+
+
+def test_the_run_starts_compiling_its_models_variants_in_the_background(precompile_on_cuda):
+    from deform_plugin.engine.triton_precompile import precompile_model_kernels
+    from deform_plugin.models.msda import MultiScaleDeformableAttention
+    model = MultiScaleDeformableAttention(embed_dims=64, num_heads=4, num_levels=3, num_points=2)
+    assert precompile_model_kernels(model, types.SimpleNamespace(cast_dtype=torch.bfloat16)) == ["a process"] * 4
+    assert sorted((v.dtype, v.reference_dim) for v in precompile_on_cuda) == [
+        ("bfloat16", 2), ("bfloat16", 4), ("float32", 2), ("float32", 4)]
+
+
+def test_a_background_compile_that_cannot_start_leaves_the_run_to_compile(precompile_on_cuda, monkeypatch):
+    import deform_plugin.ops.msda.precompile as precompile
+    from deform_plugin.engine.triton_precompile import precompile_model_kernels
+    from deform_plugin.models.msda import MultiScaleDeformableAttention
+
+    def broken(variants):
+        raise RuntimeError("no jit_cache_hook here")
+    monkeypatch.setattr(precompile, "precompile_in_background", broken)
+    model = MultiScaleDeformableAttention(embed_dims=64, num_heads=4, num_levels=3, num_points=2)
+    assert precompile_model_kernels(model, None) == []
+
+
+def test_nothing_is_compiled_ahead_under_the_interpreter(precompile_on_cuda, monkeypatch):
+    from deform_plugin.engine.triton_precompile import precompile_model_kernels
+    from deform_plugin.models.msda import MultiScaleDeformableAttention
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = MultiScaleDeformableAttention(embed_dims=64, num_heads=4, num_levels=3, num_points=2)
+    assert precompile_model_kernels(model, None) == [] and precompile_on_cuda == []
 
 
 def test_cudnn_v7_api_is_selected_before_the_run_only_when_asked(monkeypatch):
@@ -226,3 +271,28 @@ def test_cudnn_v7_api_by_default_exactly_where_batches_are_not_padded_to_buckets
     runner.model = nn.Linear(2, 2).cuda()
     FastPathsHook(precompile_triton=False).before_run(runner)
     assert (os.environ.get(CUDNN_V8_API_DISABLED) == "1") is v7
+
+
+def test_the_dtypes_of_a_run_read_from_its_optimizer_wrappers_config_before_it_is_built():
+    from deform_plugin.engine.triton_precompile import run_dtypes
+    assert run_dtypes(dict(type="OptimWrapper", optimizer=dict(type="AdamW"))) == ["float32"]
+    assert run_dtypes(dict(type="AmpOptimWrapper")) == ["float32", "float16"]  # mmdet's --amp
+    assert run_dtypes(dict(type="SyncFreeAmpOptimWrapper", dtype="bfloat16")) == ["float32", "bfloat16"]
+
+
+class _RunnerBeforeTrain:
+    """A Runner as tools/train.py holds it before ``train()``: hooks built, the optimizer wrapper still a config."""
+
+    def __init__(self, hooks):
+        from deform_plugin.models.msda import MultiScaleDeformableAttention
+        self.hooks = hooks
+        self.model = MultiScaleDeformableAttention(embed_dims=64, num_heads=4, num_levels=3, num_points=2)
+        self.optim_wrapper = dict(type="SyncFreeAmpOptimWrapper", dtype="bfloat16")
+
+
+def test_the_training_script_starts_the_hooks_compiles_as_soon_as_the_runner_is_built(precompile_on_cuda):
+    from deform_plugin.engine.triton_precompile import precompile_runner_kernels
+    assert precompile_runner_kernels(_RunnerBeforeTrain([FastPathsHook(precompile_triton=False)])) == []
+    assert precompile_runner_kernels(_RunnerBeforeTrain([])) == [] and precompile_on_cuda == []
+    assert len(precompile_runner_kernels(_RunnerBeforeTrain([FastPathsHook()]))) == 4
+    assert sorted({v.dtype for v in precompile_on_cuda}) == ["bfloat16", "float32"]

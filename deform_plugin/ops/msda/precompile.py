@@ -1,26 +1,27 @@
-"""Compile the Triton MSDA kernels that a model will launch, ahead of its first step and in parallel processes.
+"""The Triton MSDA kernel variants that a model will launch, compiled ahead of its first step in parallel processes.
 
-A process's first launch of each kernel variant compiles it (about a second or two each), and a training run's first
-iteration launches them one after another: the fused forward and backward, for point and box reference points, in
-each dtype the run computes in. Compiled binaries land in Triton's on-disk cache (``TRITON_CACHE_DIR``, by default
-``~/.triton/cache``), which every later process reads in milliseconds. :func:`precompile_in_background` starts one
-process per variant that compiles it into that cache while the caller goes on building its model and data loaders;
-a variant that the caller reaches before its process is done is compiled by the caller as it would have been.
+A process's first launch of each kernel variant compiles it (on a CPU host: 1-1.6 s for a forward variant, 3.6-5.6 s
+for a backward one; docs/kernels.md), and a training run's first iteration launches them one after another: the
+fused forward and backward, for point and box reference points, in each dtype the run computes in. Compiled binaries
+land in Triton's on-disk cache (``TRITON_CACHE_DIR``, by default ``~/.triton/cache``), which every later process
+reads in milliseconds.
 
-    python -m deform_plugin.ops.msda.precompile '[{"num_heads": 8, "head_dim": 32, "num_levels": 4,
-                                                   "num_points": 4, "dtype": "bfloat16", "reference_dim": 4}]'
+:func:`compile_jobs` records the launches a small fused call of each variant would make (CPU tensors of the
+variant's dtypes; nothing runs) and asks Triton's JIT for their specializations;
+:func:`precompile_in_background` compiles each in a worker process of its own
+(:mod:`deform_plugin.ops.background_compile`) while the caller goes on; the caller's first launch of a variant waits
+for its worker instead of compiling it again.
 """
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
-from dataclasses import asdict, dataclass
-from typing import Iterable, List, Sequence
+from dataclasses import dataclass
+from typing import Iterable, List
 
 import torch
 
-from .functional import fused_multi_scale_deformable_attn
+from ..background_compile import CompileJob, capture_job, start_background_compiles
+from .triton_launch import KernelLaunch, recorded_fused_launches
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -47,56 +48,39 @@ class MSDAVariant:
                 raise ValueError(f"MSDAVariant: {name} must be an int >= 1, got {value!r}")
 
 
-def run_variant(variant: MSDAVariant, device="cuda", backward: bool = True) -> torch.Tensor:
-    """One small fused MSDA call of ``variant`` (forward, and backward with ``backward``): the launches that compile
-    its kernels. Returns the output."""
+def variant_launches(variant: MSDAVariant, backward: bool = True) -> List[KernelLaunch]:
+    """The launches of a small fused MSDA call of ``variant`` (forward, and backward with ``backward``), recorded on
+    CPU tensors, not made. As in the DETRs' training steps: value, offsets and logits (and so the output's gradient)
+    in the variant's dtype, which under autocast is the dtype of the Linear layers that make them; reference points
+    in float32 and without gradient (the DETRs make them outside any matmul, as constants or detached)."""
     dtype = getattr(torch, variant.dtype)
     shapes = [(max(8 >> level, 1), max(10 >> level, 1)) for level in range(variant.num_levels)]
-    spatial_shapes = torch.tensor(shapes, dtype=torch.int64, device=device)
-    sizes = torch.tensor([h * w for h, w in shapes], device=device)
+    spatial_shapes = torch.tensor(shapes, dtype=torch.int64)
+    sizes = spatial_shapes.prod(1)
     level_start_index = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
-    generator = torch.Generator(device="cpu").manual_seed(0)
-
-    def tensor(*shape, scale=1.0):
-        return (torch.rand(*shape, generator=generator) * scale).to(device=device, dtype=dtype).requires_grad_(
-            backward)
     batch, queries = 1, 5
-    value = tensor(batch, int(sizes.sum()), variant.num_heads, variant.head_dim)
-    # Reference points stay float32 whatever the compute dtype: under autocast the DETRs make them outside any
-    # matmul. Their dtype is part of the compiled variant's key.
-    reference = torch.rand(batch, queries, variant.num_levels, variant.reference_dim,
-                           generator=generator).to(device=device)
-    offsets = tensor(batch, queries, variant.num_heads, variant.num_levels, variant.num_points, 2)
-    logits = tensor(batch, queries, variant.num_heads, variant.num_levels, variant.num_points)
-    output = fused_multi_scale_deformable_attn(value, spatial_shapes, level_start_index, reference, offsets, logits,
-                                               backend="triton")
-    if backward:
-        output.float().sum().backward()
-    return output
+    value = torch.zeros(batch, int(sizes.sum()), variant.num_heads, variant.head_dim, dtype=dtype)
+    reference = torch.zeros(batch, queries, variant.num_levels, variant.reference_dim)
+    offsets = torch.zeros(batch, queries, variant.num_heads, variant.num_levels, variant.num_points, 2, dtype=dtype)
+    logits = torch.zeros(batch, queries, variant.num_heads, variant.num_levels, variant.num_points, dtype=dtype)
+    return recorded_fused_launches(value, spatial_shapes, level_start_index, reference, offsets, logits,
+                                   backward=backward, reference_grad=False)
+
+
+def compile_jobs(variants: Iterable[MSDAVariant], backward: bool = True) -> List[CompileJob]:
+    """The compile jobs of the variants' kernels for the active GPU target, the backward ones (the longest) first;
+    variants this process has compiled already are left out. Needs a process where Triton compiles (CUDA, or a
+    compile-only target: :func:`deform_plugin.ops.compile_worker.use_compile_only_target`)."""
+    jobs = {}
+    for variant in dict.fromkeys(variants):
+        for launch in variant_launches(variant, backward):
+            job = capture_job(*launch)
+            if job is not None:
+                jobs.setdefault((job.function, job.variant), job)
+    return sorted(jobs.values(), key=lambda job: "backward" not in job.function)
 
 
 def precompile_in_background(variants: Iterable[MSDAVariant], backward: bool = True) -> List[subprocess.Popen]:
-    """One process per variant that compiles it into Triton's on-disk cache; returns them (already running).
-    Their output is discarded: a failure only means the caller compiles that variant itself."""
-    processes = []
-    for variant in dict.fromkeys(variants):
-        command = [sys.executable, "-m", __name__, json.dumps([asdict(variant)])]
-        if not backward:
-            command.append("--forward-only")
-        processes.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          start_new_session=True))
-    return processes
-
-
-def main(argv: Sequence[str]) -> int:
-    if not argv:
-        raise SystemExit(__doc__)
-    variants = [MSDAVariant(**spec) for spec in json.loads(argv[0])]
-    for variant in variants:
-        run_variant(variant, backward="--forward-only" not in argv[1:])
-    torch.cuda.synchronize()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    """Start compiling the variants' kernels, one worker process per kernel variant; returns the processes started
+    (running). A failed worker only means that the caller's first launch compiles that variant itself."""
+    return start_background_compiles(compile_jobs(variants, backward))

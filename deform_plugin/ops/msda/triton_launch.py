@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import triton.language as tl
@@ -19,8 +19,8 @@ import triton.language as tl
 from ..triton_support import DirectLaunches, alignment_bits, data_pointers, device_of_launch, next_power_of_2
 from .triton_kernels import msda_backward_kernel, msda_forward_kernel, msda_grad_value_segments_kernel
 
-__all__ = ["LaunchConfig", "choose_config", "fused_msda_backward", "fused_msda_forward", "msda_backward",
-           "msda_forward"]
+__all__ = ["KernelLaunch", "LaunchConfig", "choose_config", "fused_msda_backward", "fused_msda_forward",
+           "msda_backward", "msda_forward", "recorded_fused_launches"]
 
 # Entries of the deterministic grad_value reduction handled per step of its loop.
 _SEGMENT_BLOCK_E = 16
@@ -141,6 +141,39 @@ def _launch(launches: DirectLaunches, plan: _LaunchPlan, tensors: tuple) -> None
                         plan.scalars, num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
 
 
+class KernelLaunch(NamedTuple):
+    """One kernel launch's arguments, as ``kernel[grid](*tensors, *scalars, num_warps=..., num_stages=...)``."""
+
+    kernel: object
+    grid: Tuple[int, int, int]
+    tensors: tuple
+    scalars: tuple
+    num_warps: int
+    num_stages: int
+
+
+def recorded_fused_launches(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
+                            reference_points: torch.Tensor, sampling_offsets: torch.Tensor,
+                            attention_logits: torch.Tensor, backward: bool = True,
+                            reference_grad: bool = False) -> List[KernelLaunch]:
+    """The launches that the fused forward (and, with ``backward``, its backward with a ``grad_output`` in value's
+    dtype) of these inputs would make, recorded instead of made: what compiling their variants ahead needs. The
+    inputs may be small CPU tensors of the real launch's dtypes (the variant does not depend on sizes, and a
+    kernel's pointers are 16-byte aligned on either device). Outputs are allocated but never written."""
+    recorded = []
+
+    def record(launches: DirectLaunches, plan: _LaunchPlan, tensors: tuple) -> None:
+        recorded.append(KernelLaunch(launches.kernel, plan.grid, tensors, plan.scalars, plan.config.num_warps,
+                                     plan.config.num_stages))
+
+    output = _forward(value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
+                      reference_points.contiguous(), None, launch=record)
+    if backward:  # the output stands for its gradient: same shape and dtype
+        _backward(output, value, spatial_shapes, level_start_index, sampling_offsets, attention_logits,
+                  reference_points.contiguous(), False, None, reference_grad, launch=record)
+    return recorded
+
+
 def msda_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_start_index: torch.Tensor,
                  sampling_locations: torch.Tensor, attention_weights: torch.Tensor,
                  config: Optional[LaunchConfig] = None) -> torch.Tensor:
@@ -156,8 +189,10 @@ def fused_msda_forward(value: torch.Tensor, spatial_shapes: torch.Tensor, level_
                     reference_points.contiguous(), config)
 
 
-def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, reference_points, config):
+def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, reference_points, config,
+             launch=_launch):
     # samples / sample_weights: locations and weights, or (fused, with reference_points) offsets and logits.
+    # launch: _launch, or a recorder (recorded_fused_launches).
     value = value.contiguous()
     samples = samples.contiguous()
     sample_weights = sample_weights.contiguous()
@@ -175,8 +210,8 @@ def _forward(value, spatial_shapes, level_start_index, samples, sample_weights, 
     if plan.empty:
         return output.zero_()
     shapes, starts = _level_tables(spatial_shapes, level_start_index, plan.device)
-    _launch(_forward_launches, plan, (value, shapes, starts, samples, sample_weights,
-                                      reference_points if fused else samples, output))
+    launch(_forward_launches, plan, (value, shapes, starts, samples, sample_weights,
+                                     reference_points if fused else samples, output))
     return output
 
 
@@ -206,7 +241,7 @@ def fused_msda_backward(grad_output: torch.Tensor, value: torch.Tensor, spatial_
 
 
 def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sample_weights, reference_points,
-              deterministic, config, reference_grad=True):
+              deterministic, config, reference_grad=True, launch=_launch):
     """Gradients of value, samples, sample weights (and reference points when fused), each in its input's dtype.
 
     ``grad_value`` is accumulated with float32 atomics (float64 for float64 values), or, with ``deterministic``,
@@ -259,7 +294,7 @@ def _backward(grad_output, value, spatial_shapes, level_start_index, samples, sa
     tensors = (grad_output, value, shapes, starts, samples, sample_weights, reference_points if fused else samples,
                grad_value_accum, grad_samples, grad_sample_weights, grad_ref_per_head, entry_keys, entry_coefs,
                weight_scratch, offset_scratch)
-    _launch(_backward_launches, plan, tensors)
+    launch(_backward_launches, plan, tensors)
     if deterministic:
         with device_of_launch(plan.device):
             grad_value = _reduce_grad_value_segments(grad_output, entry_keys, entry_coefs, value,

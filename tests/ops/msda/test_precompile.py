@@ -1,38 +1,100 @@
-"""Precompiling the Triton MSDA kernels: a variant's small call runs the fused kernels forward and backward and
-matches the reference; bad variants are refused by name."""
-import json
+"""Precompiling the Triton MSDA kernels: a variant's launches are recorded, not made, and they are the launches the
+module itself makes in training (so the variants compiled ahead are the ones the run loads); bad variants are
+refused by name."""
+import contextlib
+import inspect
 
 import pytest
 import torch
 
-from deform_plugin.ops.msda.precompile import MSDAVariant, main, run_variant
+triton = pytest.importorskip("triton")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the interpreter on the CPU (tests/conftest.py)
+from deform_plugin.models.msda import MultiScaleDeformableAttention  # noqa: E402
+from deform_plugin.ops.compile_stats import launch_key, triton_kernels  # noqa: E402
+from deform_plugin.ops.msda.precompile import MSDAVariant, compile_jobs, variant_launches  # noqa: E402
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="compares against the module's launches through the CPU interpreter")
+
+
+@contextlib.contextmanager
+def _launches_recorded(names):
+    """[(kernel name, args, kwargs)] of every launch of the named kernels while active (before they run)."""
+    kernels = triton_kernels()
+    launches, hooks = [], []
+    for name in names:
+        def hook(*args, _name=name, **kwargs):
+            launches.append((_name, args, kwargs))
+        kernels[name].add_pre_run_hook(hook)
+        hooks.append((kernels[name], hook))
+    try:
+        yield launches
+    finally:
+        for kernel, hook in hooks:
+            kernel.pre_run_hooks.remove(hook)
+
+
+def _constexprs(launch):
+    names = list(inspect.signature(launch.kernel.fn).parameters)
+    arguments = launch.tensors + launch.scalars
+    return {name: arguments[i] for i, name in enumerate(names) if name.isupper()}
 
 
 @pytest.mark.parametrize("reference_dim", [2, 4])
-def test_a_variants_call_runs_the_fused_kernels_forward_and_backward(reference_dim):
-    variant = MSDAVariant(num_heads=2, head_dim=4, num_levels=2, num_points=2, reference_dim=reference_dim)
-    output = run_variant(variant, device=DEVICE)
-    assert output.shape == (1, 5, 8) and output.dtype == torch.float32
-    assert torch.isfinite(output).all() and output.grad_fn is not None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_variants_launches_are_the_fused_forward_and_backward_recorded_not_made(reference_dim, dtype):
+    variant = MSDAVariant(num_heads=2, head_dim=4, num_levels=2, num_points=3, dtype=str(dtype)[6:],
+                          reference_dim=reference_dim)
+    kernels = triton_kernels()
+    with _launches_recorded(["msda_forward", "msda_backward"]) as made:
+        forward, backward = variant_launches(variant)
+    assert made == []  # recorded only: no kernel ran
+    assert forward.kernel is kernels["msda_forward"] and backward.kernel is kernels["msda_backward"]
+    assert forward.tensors[0].dtype == dtype and forward.tensors[5].dtype == torch.float32  # value; reference
+    constexprs = _constexprs(backward)
+    assert (constexprs["NUM_LEVELS"], constexprs["NUM_POINTS"], constexprs["REF_DIM"]) == (2, 3, reference_dim)
+    assert constexprs["FUSED"] and not constexprs["DETERMINISTIC"] and not constexprs["REF_GRAD"]
+    assert [launch.kernel for launch in variant_launches(variant, backward=False)] == [kernels["msda_forward"]]
 
 
-def test_the_variants_call_matches_the_pytorch_backend():
-    variant = MSDAVariant(num_heads=1, head_dim=4, num_levels=2, num_points=1, reference_dim=4)
-    torch.manual_seed(0)
-    ours = run_variant(variant, device=DEVICE, backward=False)
-    import deform_plugin.ops.msda.precompile as precompile
-    original = precompile.fused_multi_scale_deformable_attn
+def _module_launch_keys(module, reference_dim, autocast_dtype):
+    """The keys under which the module's training forward and backward would compile their kernels (the
+    interpreter's launch hooks do not see the launch options: both sides are keyed without them; they follow from
+    head_dim and dtype alone, :func:`choose_config`)."""
+    kernels = triton_kernels()
+    generator = torch.Generator().manual_seed(0)
+    levels = torch.tensor([[4, 5], [2, 3]])
+    sizes = levels.prod(1)
+    starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
+    query = torch.randn(1, 7, 16, generator=generator, requires_grad=True)
+    value = torch.randn(1, int(sizes.sum()), 16, generator=generator, requires_grad=True)
+    reference = torch.rand(1, 7, 2, reference_dim, generator=generator)  # constant, as in the DETRs
+    with _launches_recorded(["msda_forward", "msda_backward"]) as launches:
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+            out = module(query, value=value, reference_points=reference, spatial_shapes=levels,
+                         level_start_index=starts)
+        out.float().sum().backward()
+    return {(name, launch_key(kernels[name], *args)) for name, args, _ in launches}
 
-    def pytorch(*args, backend=None):
-        return original(*[a.cpu().double() if a.is_floating_point() else a.cpu() for a in args], backend="pytorch")
-    precompile.fused_multi_scale_deformable_attn = pytorch
-    try:
-        expected = run_variant(variant, device=DEVICE, backward=False)
-    finally:
-        precompile.fused_multi_scale_deformable_attn = original
-    torch.testing.assert_close(ours.detach().cpu().double(), expected.detach(), rtol=1e-5, atol=1e-6)
+
+@pytest.mark.parametrize("reference_dim", [2, 4], ids=["points", "boxes"])
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_the_variants_compiled_ahead_are_those_the_module_launches_in_training(reference_dim, autocast_dtype):
+    module = MultiScaleDeformableAttention(embed_dims=16, num_heads=2, num_levels=2, num_points=2, batch_first=True,
+                                           backend="triton")
+    module_keys = _module_launch_keys(module, reference_dim, autocast_dtype)
+    assert {name for name, _ in module_keys} == {"msda_forward", "msda_backward"}
+    dtype = "float32" if autocast_dtype is None else "bfloat16"
+    variant = MSDAVariant(num_heads=2, head_dim=8, num_levels=2, num_points=2, dtype=dtype,
+                          reference_dim=reference_dim)
+    kernels = {kernel: name for name, kernel in triton_kernels().items()}
+    precompiled = {(kernels[launch.kernel], launch_key(launch.kernel, *launch.tensors, *launch.scalars))
+                   for launch in variant_launches(variant)}
+    assert module_keys == precompiled
+
+
+def test_under_the_interpreter_there_is_nothing_to_compile():
+    assert compile_jobs([MSDAVariant(num_heads=1, head_dim=4, num_levels=1, num_points=1)]) == []
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -43,11 +105,3 @@ def test_the_variants_call_matches_the_pytorch_backend():
 def test_a_bad_variant_is_refused_naming_the_value(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MSDAVariant(**dict(dict(num_heads=1, head_dim=4, num_levels=1, num_points=1), **kwargs))
-
-
-def test_the_command_line_needs_its_variants():
-    with pytest.raises(SystemExit, match="python -m deform_plugin.ops.msda.precompile"):
-        main([])
-    with pytest.raises(TypeError):
-        main([json.dumps([dict(num_heads=1)])])
-
