@@ -112,7 +112,8 @@ def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str]
     with autocast:
         for index, image in enumerate(images):
             if profile is not None and index == profile[0]:
-                profiler = _start_profiler(cuda)
+                from deform_plugin.benchmarks.detector.step_profiler import start_profiler
+                profiler = start_profiler(cuda)
             before = graph_inference.stats() if graph_inference is not None else None
             started = time.perf_counter()
             result = inference_detector(model, image, **prompt)
@@ -142,24 +143,12 @@ def call_kind(before: dict, after: dict) -> str:
     return "eager"
 
 
-def _start_profiler(cuda: bool):
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities)
-    profiler.__enter__()
-    return profiler
-
-
 def _profile_tables(profiler, cuda: bool, images: Tuple[int, int]) -> str:
+    from deform_plugin.benchmarks.detector.step_profiler import operator_tables
     profiler.__exit__(None, None, None)
-    averages = profiler.key_averages()
-    text = (f"images {images[0]}-{images[1]}, by self CPU time:\n"
-            + averages.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80))
-    if cuda:
-        text += ("\nby self device time:\n"
-                 + averages.table(sort_by="self_device_time_total", row_limit=20, max_name_column_width=80))
-    return text
+    by_host, by_device = operator_tables(profiler, cuda)
+    text = f"images {images[0]}-{images[1]}, by self CPU time:\n{by_host}"
+    return text if by_device is None else f"{text}\nby self device time:\n{by_device}"
 
 
 def caption_prompt(model) -> dict:

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from mmengine.dist import get_rank
@@ -61,12 +61,9 @@ class StepProfilerHook(Hook):
     def before_train_iter(self, runner, batch_idx: int, data_batch=None) -> None:
         if runner.iter + 1 != self.first:
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
             torch.cuda.synchronize()
-        self._profiler = torch.profiler.profile(activities=activities)
-        self._profiler.__enter__()
+        self._profiler = start_profiler(torch.cuda.is_available())
         self._started = time.perf_counter()
 
     def after_train_iter(self, runner, batch_idx: int, data_batch=None, outputs=None) -> None:
@@ -84,20 +81,37 @@ class StepProfilerHook(Hook):
 
     def write(self, profiler, out_dir: Path, rank: int, wall_ms: float) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        averages = profiler.key_averages()
-        device_key = next((key for key in ("self_device_time_total", "self_cuda_time_total")
-                           if torch.cuda.is_available() and _sortable(averages, key)), None)
+        by_host, by_device = operator_tables(profiler, torch.cuda.is_available())
         lines = [f"rank {rank}: iterations {self.first}-{self.last}, {wall_ms:.1f} ms per iteration (wall, under "
-                 "the profiler)", "", "By host time (self CPU):",
-                 averages.table(sort_by="self_cpu_time_total", row_limit=TABLE_ROWS)]
-        if device_key is not None:
-            lines += ["", "By device time:", averages.table(sort_by=device_key, row_limit=TABLE_ROWS)]
+                 "the profiler)", "", "By host time (self CPU):", by_host]
+        if by_device is not None:
+            lines += ["", "By device time:", by_device]
         (out_dir / f"profile_rank{rank}.txt").write_text("\n".join(lines) + "\n")
         with tempfile.TemporaryDirectory() as scratch:
             trace = Path(scratch) / "trace.json"
             profiler.export_chrome_trace(str(trace))
             with open(trace, "rb") as source, gzip.open(out_dir / f"trace_rank{rank}.json.gz", "wb") as target:
                 shutil.copyfileobj(source, target)
+
+
+def start_profiler(cuda: bool):
+    """A ``torch.profiler.profile`` of host operators (and, with ``cuda``, device kernels), already entered."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities)
+    profiler.__enter__()
+    return profiler
+
+
+def operator_tables(profiler, cuda: bool, rows: int = TABLE_ROWS) -> Tuple[str, Optional[str]]:
+    """``(by host time, by device time)``: a stopped ``profiler``'s operators, its ``key_averages`` tables sorted by
+    self CPU time and, with ``cuda``, by self device time (None without)."""
+    averages = profiler.key_averages()
+    device_key = next((key for key in ("self_device_time_total", "self_cuda_time_total")
+                       if cuda and _sortable(averages, key)), None)
+    by_host = averages.table(sort_by="self_cpu_time_total", row_limit=rows)
+    return by_host, None if device_key is None else averages.table(sort_by=device_key, row_limit=rows)
 
 
 def _sortable(averages, key: str) -> bool:

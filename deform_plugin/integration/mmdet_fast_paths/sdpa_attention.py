@@ -17,6 +17,7 @@ PyTorch's choice: its shape buckets repeat lengths, so plans are reused.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 from torch import nn
@@ -64,13 +65,9 @@ def _make_sdpa_class():
                 query = query.transpose(0, 1)
                 key = key.transpose(0, 1)
                 value = value.transpose(0, 1)
-            if self.training:
+            with contextlib.nullcontext() if self.training else sdpa_kernel(PLAN_FREE_SDPA_BACKENDS):
                 out = self.attn(query=query, key=key, value=value, attn_mask=attn_mask,
                                 key_padding_mask=key_padding_mask, need_weights=False)[0]
-            else:
-                with sdpa_kernel(PLAN_FREE_SDPA_BACKENDS):
-                    out = self.attn(query=query, key=key, value=value, attn_mask=attn_mask,
-                                    key_padding_mask=key_padding_mask, need_weights=False)[0]
             if self.batch_first:
                 out = out.transpose(0, 1)
             return identity + self.dropout_layer(self.proj_drop(out))
