@@ -26,7 +26,8 @@ __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_i
 
 
 def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets: Optional[InferenceBuckets] = ...,
-                          cpu_threads: Optional[int] = GPU_INFERENCE_CPU_THREADS) -> Dict[str, object]:
+                          cpu_threads: Optional[int] = GPU_INFERENCE_CPU_THREADS,
+                          cudnn_v7_api: Optional[bool] = None) -> Dict[str, object]:
     """Make ``model`` (an mmdet DETR-family or MaskFormer detector, in eval mode) infer at graph speed on CUDA.
 
     Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``), the SDPA attention
@@ -42,16 +43,32 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     that the test pipeline and the host side of each call need (:mod:`deform_plugin.cpu_threads` has the figures).
     This is a setting of the whole process, and it is logged.
 
+    ``cudnn_v7_api`` (None, the default: on for a model on the GPU) selects cuDNN's v7 convolution API for the
+    process (:mod:`deform_plugin.conv_planning`): each new input size's eager call and capture plan the
+    convolutions far more cheaply, for replays about 1 ms slower on an H200 (docs/results.md has both). PyTorch
+    reads the setting at the process's first convolution, so it takes effect where none has run yet, as after
+    ``init_detector``; a ``TORCH_CUDNN_V8_API_DISABLED`` the user set wins. False keeps PyTorch's choice (for a
+    stream of one input size).
+
     Returns what changed; its ``'graph_inference'`` entry's ``stats()`` reports graphs, replays, eager calls and
-    the graphs' memory, and ``'cpu_threads'`` the thread count set (absent where none was).
+    the graphs' memory, ``'cpu_threads'`` the thread count set (absent where none was) and ``'cudnn_v7_api'``
+    whether the v7 API is selected (absent where this call left it alone).
     """
     check_thread_limit(cpu_threads)
+    if cudnn_v7_api not in (None, True, False):
+        raise ValueError(f"enable_fast_inference: cudnn_v7_api must be None, True or False, got {cudnn_v7_api!r}")
     model.eval()
     # float32_nms only where there is a DDQ-DETR NMS to change: elsewhere it would log that it changes nothing.
     changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True,
                                                        float32_nms=has_ddq_nms(model)))
     changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
     on_gpu = any(parameter.is_cuda for parameter in model.parameters())
+    if cudnn_v7_api or (cudnn_v7_api is None and on_gpu):
+        from .conv_planning import prefer_cudnn_v7_api, selected_api_line
+        changed["cudnn_v7_api"] = prefer_cudnn_v7_api()
+        from mmengine.logging import print_log
+        print_log(f"deform_plugin: {selected_api_line()} (enable_fast_inference(cudnn_v7_api=False) keeps "
+                  "PyTorch's choice)", logger="current")
     if on_gpu:
         import torch
         from mmengine.logging import print_log

@@ -2,7 +2,7 @@
 
     python tools/infer.py CONFIG CHECKPOINT IMAGES... [--out-dir DIR] [--recursive] [--device cuda:0]
                           [--score-thr 0.3] [--amp-dtype {float16,bfloat16}] [--eager | --no-buckets | --canvas]
-                          [--max-graphs N] [--cudnn-v7]
+                          [--max-graphs N] [--cudnn-api {v7,v8}]
 
 IMAGES are files or folders (with --recursive, their subfolders too). Writes ``DIR/vis/<image>`` (the image with its
 detections drawn) and ``DIR/preds/<image stem>.json`` (boxes, scores, labels), as mmdet's ``DetInferencer`` does,
@@ -14,9 +14,9 @@ the checkpoint, else from the config's dataset. On CUDA the detector runs throug
 is replayed from a CUDA graph once it recurs; a size seen once runs eagerly, never paying a capture. ``--canvas``
 pads an image whose bucket has no graph into the test pipeline's largest size (for sizes that rarely repeat; more
 padding); ``--no-buckets`` keeps mmdet's padding (a graph per exact size); ``--eager`` runs mmdet's plain inference
-instead, for comparison. ``--cudnn-v7`` selects cuDNN's v7 convolution API, whose planning at a new input size is far
-cheaper (for folders whose sizes rarely repeat) but whose kernels are slower for some models
-(``deform_plugin/conv_planning.py``; docs/results.md has both figures).
+instead, for comparison. Graph runs select cuDNN's v7 convolution API, whose planning at each new input size is far
+cheaper, for replays about 1 ms slower (``deform_plugin/conv_planning.py`` has both figures); ``--cudnn-api v8``
+keeps PyTorch's default v8 API (for folders of one image size), ``--cudnn-api v7`` selects v7 for ``--eager`` too.
 """
 from __future__ import annotations
 
@@ -60,9 +60,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     graphs.add_argument("--canvas", action="store_true",
                         help="for folders whose image sizes rarely repeat: an image whose size has no graph is "
                         "padded into the test pipeline's largest size (faster; more padding, see docs/results.md)")
-    parser.add_argument("--cudnn-v7", action="store_true",
-                        help="cuDNN's v7 convolution API: cheaper at each new input size, slower kernels for some "
-                        "models (for folders whose sizes rarely repeat; see docs/results.md)")
+    parser.add_argument("--cudnn-api", choices=("v7", "v8"),
+                        help="cuDNN's convolution API (default: v7 for graph runs on CUDA, cheaper at each new input "
+                        "size; PyTorch's v8 for --eager); v8 for folders of one image size")
     parser.add_argument("--max-graphs", type=int, default=16,
                         help="input shapes kept as CUDA graphs; later new shapes run eagerly (default: 16)")
     return parser.parse_args(argv)
@@ -106,14 +106,17 @@ def save_outputs(inferencer, image: ImageFile, pixels, sample, out_dir: str, jso
     mmengine.dump(prediction, json_path)
 
 
-def select_cudnn_v7_api(device: str) -> None:
-    """cuDNN's v7 convolution API for this process (read at its first convolution, which has not run yet)."""
-    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED, prefer_cudnn_v7_api
-    if not prefer_cudnn_v7_api():
-        usage_error(f"--cudnn-v7: the environment sets {CUDNN_V8_API_DISABLED}="
-                    f"{os.environ[CUDNN_V8_API_DISABLED]!r}, which keeps cuDNN's v8 API; unset it or drop --cudnn-v7")
+def select_cudnn_api(api: str, device: str) -> None:
+    """cuDNN's ``api`` ('v7' or 'v8') for this process (read at its first convolution, which has not run yet); a
+    clash with ``TORCH_CUDNN_V8_API_DISABLED`` as the user set it is a usage error."""
+    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED, v7_api_selected
+    user_value = os.environ.get(CUDNN_V8_API_DISABLED)
+    if user_value is not None and v7_api_selected() != (api == "v7"):
+        usage_error(f"--cudnn-api {api}: the environment sets {CUDNN_V8_API_DISABLED}={user_value!r}, which selects "
+                    f"cuDNN's {'v7' if v7_api_selected() else 'v8'} API; unset it or drop --cudnn-api")
     if not device.startswith("cuda"):
-        usage_error(f"--cudnn-v7 selects an API of cuDNN, a CUDA library: it needs a CUDA device, not {device!r}")
+        usage_error(f"--cudnn-api selects an API of cuDNN, a CUDA library: it needs a CUDA device, not {device!r}")
+    os.environ[CUDNN_V8_API_DISABLED] = "1" if api == "v7" else "0"
 
 
 def summary(done: int, skipped: int, seconds: float, first_seconds: float, graphs: bool) -> str:
@@ -141,8 +144,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         usage_error(f"--device {args.device}: torch sees no CUDA device here; pass --device cpu")
     if args.amp_dtype and not args.device.startswith("cuda"):
         usage_error("--amp-dtype needs a CUDA device")
-    if args.cudnn_v7:
-        select_cudnn_v7_api(args.device)
+    if args.cudnn_api:
+        select_cudnn_api(args.cudnn_api, args.device)
     cfg = read_config(args.config)
     from deform_plugin.apis import CapturePolicy, enable_fast_inference, throughput_buckets
     try:

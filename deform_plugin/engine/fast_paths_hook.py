@@ -100,10 +100,10 @@ class FastPathsHook(Hook):
             on_cuda = any(parameter.is_cuda for parameter in runner.model.parameters())
             cudnn_v7_api = on_cuda and not self._padded_to_buckets(runner)
         if cudnn_v7_api:
-            from deform_plugin.conv_planning import prefer_cudnn_v7_api
+            from deform_plugin.conv_planning import prefer_cudnn_v7_api, selected_api_line
             if not prefer_cudnn_v7_api():
-                print_log("deform_plugin: cudnn_v7_api is on, but TORCH_CUDNN_V8_API_DISABLED is set to keep the v8 "
-                          "API; the environment wins", logger="current")
+                print_log(f"deform_plugin: cudnn_v7_api is on, but the environment keeps {selected_api_line()}",
+                          logger="current")
         if self.precompile_triton:
             from .triton_precompile import precompile_model_kernels
             precompile_model_kernels(runner.model, getattr(runner, "optim_wrapper", None))

@@ -1,5 +1,6 @@
 """Graph inference gives eager inference's detections: the split predict exactly, the replayed graph on a GPU."""
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,32 @@ def test_a_bad_cpu_thread_count_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match="cpu_threads must be a positive integer or None, got 0"):
         enable_fast_inference(detector, cpu_threads=0)
     assert "predict" not in vars(detector)  # no graph-replayed predict put in place
+
+
+def _unset_cudnn_api(monkeypatch):
+    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
+    monkeypatch.setenv(CUDNN_V8_API_DISABLED, "")  # restored at teardown, whatever this test sets
+    monkeypatch.delenv(CUDNN_V8_API_DISABLED)
+    return CUDNN_V8_API_DISABLED
+
+
+def test_cudnn_v7_api_by_default_only_for_a_model_on_the_gpu(monkeypatch):
+    variable = _unset_cudnn_api(monkeypatch)
+    changed = enable_fast_inference(_small_detector("dino"), cpu_threads=None)
+    assert "cudnn_v7_api" not in changed and variable not in os.environ
+    changed = enable_fast_inference(_small_detector("dino"), cpu_threads=None, cudnn_v7_api=True)
+    assert changed["cudnn_v7_api"] is True and os.environ[variable] == "1"
+
+
+def test_the_users_cudnn_api_wins_and_a_bad_switch_is_refused(monkeypatch):
+    variable = _unset_cudnn_api(monkeypatch)
+    monkeypatch.setenv(variable, "0")
+    assert enable_fast_inference(_small_detector("dino"), cudnn_v7_api=True)["cudnn_v7_api"] is False
+    assert os.environ[variable] == "0"
+    detector = _small_detector("dino")
+    with pytest.raises(ValueError, match="cudnn_v7_api must be None, True or False, got 'v7'"):
+        enable_fast_inference(detector, cudnn_v7_api="v7")
+    assert "predict" not in vars(detector)
 
 
 def test_a_detector_without_graph_inference_is_refused():

@@ -119,14 +119,17 @@ def test_a_bad_graph_cap_is_a_usage_error(images, tmp_path, capsys):
     assert _usage_error(argv, capsys) == "error: --max-graphs: CapturePolicy: max_graphs must be an int >= 1, got 0"
 
 
-def test_cudnn_v7_needs_cuda_and_an_environment_that_allows_it(images, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("api, user_value, selects", [("v7", "0", "v8"), ("v8", "1", "v7")])
+def test_cudnn_api_needs_cuda_and_an_environment_that_allows_it(images, tmp_path, capsys, monkeypatch, api,
+                                                                user_value, selects):
     from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
-    argv = [DEMO_CONFIG, "none", images, "--out-dir", tmp_path, "--device", "cpu", "--cudnn-v7"]
-    monkeypatch.setenv(CUDNN_V8_API_DISABLED, "0")
-    assert _usage_error(argv, capsys) == (f"error: --cudnn-v7: the environment sets {CUDNN_V8_API_DISABLED}='0', "
-                                          "which keeps cuDNN's v8 API; unset it or drop --cudnn-v7")
+    argv = [DEMO_CONFIG, "none", images, "--out-dir", tmp_path, "--device", "cpu", "--cudnn-api", api]
+    monkeypatch.setenv(CUDNN_V8_API_DISABLED, user_value)
+    assert _usage_error(argv, capsys) == (f"error: --cudnn-api {api}: the environment sets {CUDNN_V8_API_DISABLED}="
+                                          f"'{user_value}', which selects cuDNN's {selects} API; unset it or drop "
+                                          "--cudnn-api")
     monkeypatch.delenv(CUDNN_V8_API_DISABLED)
-    assert _usage_error(argv, capsys) == ("error: --cudnn-v7 selects an API of cuDNN, a CUDA library: it needs a "
+    assert _usage_error(argv, capsys) == ("error: --cudnn-api selects an API of cuDNN, a CUDA library: it needs a "
                                           "CUDA device, not 'cpu'")
 
 

@@ -208,6 +208,13 @@ def _kind_cell(record: dict, kind: str) -> str:
     return f"{len(times)} x {1e3 * statistics.mean(times):.1f}" if times else "0"
 
 
+def _cudnn_api(record: dict) -> str:
+    from deform_plugin.conv_planning import selects_v7_api
+    if "cudnn_v8_api_disabled" not in record:
+        return "-"
+    return "v7" if selects_v7_api(record["cudnn_v8_api_disabled"]) else "v8"
+
+
 def _fmt(value, spec=".1f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -215,7 +222,7 @@ def _fmt(value, spec=".1f") -> str:
 def report(records: List[dict], info: dict, out_dir: Path) -> str:
     header = ["config", "sizes", "row", "ms/img steady", "ms/img all", "steady vs first row", "all vs first row",
               "first img ms", "graphs", "replays/eager/borrowed", "capture s", "graph MiB", "padding", "peak MiB",
-              "max score diff vs eager:fp32", "top-1 agrees with stock", "images with NaN/inf"]
+              "max score diff vs eager:fp32", "top-1 agrees with stock", "images with NaN/inf", "cuDNN API"]
     rows = []
     for r in records:
         if "error" in r:
@@ -229,7 +236,7 @@ def report(records: List[dict], info: dict, out_dir: Path) -> str:
                      _fmt(g.get("capture_seconds"), ".2f"), _fmt(g.get("graph_memory_mb"), ".0f"),
                      f"{100 * g['padded_pixels']:.1f}%" if g else "-", _fmt(r.get("peak_memory_mb"), ".0f"),
                      _fmt(r.get("max_score_diff"), ".2e"), _fmt(r.get("top1_vs_stock"), ".2f"),
-                     r["nonfinite_images"]])
+                     r["nonfinite_images"], _cudnn_api(r)])
     text = machine_line(info) + "\n\n" + markdown_table(header, rows)
     for config in sorted({r["config"] for r in records if r.get("text_encoder")}):
         text += (f"\n\n{config} ran on a {TIMING_ONLY_LABEL} (BERT-base's shape, random weights, a generated "

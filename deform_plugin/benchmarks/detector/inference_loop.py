@@ -16,6 +16,7 @@ Size distributions (original image sizes; the config's test pipeline resizes the
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -222,6 +223,8 @@ def child_main(argv: Sequence[str]) -> int:
         from deform_plugin.benchmarks.stock_process import plugin_imported
         if plugin_imported():
             raise RuntimeError("the stock row imported deform_plugin: its numbers would not be stock mmdet/mmcv")
+    # Read by PyTorch at the row's first convolution; the report names the API it selects.
+    result.update(cudnn_v8_api_disabled=os.environ.get("TORCH_CUDNN_V8_API_DISABLED"))
     result.update(build_seconds=build_seconds, image_sizes=sizes,
                   graphs=graph_inference.stats() if graph_inference is not None else None)
     with open(spec["out"], "w") as handle:
