@@ -31,7 +31,7 @@ from mmengine.runner import Runner
 from deform_plugin.cli import (AMP_DTYPES, apply_resume, build_runner, enable_amp, enable_auto_scale_lr,
                                enable_resume_by_parameter_name, load_config, parse_with_common_arguments)
 from deform_plugin.cpu_threads import configure_cpu_threads
-from deform_plugin.engine.triton_precompile import precompile_runner_kernels
+from deform_plugin.engine.triton_precompile import precompile_config_kernels, precompile_runner_kernels
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -64,9 +64,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Runner:
     args = parse_args(argv)
     # Fewer recompilations under torch.compile, as in mmdet's script.
     setup_cache_size_limit_of_dynamo()
-    runner = build_runner(build_train_config(args))
-    # FastPathsHook's kernel compiles, started now rather than at before_run: they overlap train()'s building of
-    # the datasets, data loaders and optimizer.
+    cfg = build_train_config(args)
+    # FastPathsHook's kernel compiles, started before the Runner is built rather than at before_run: they overlap
+    # the Runner's building and train()'s datasets, data loaders and optimizer. The Runner's model starts any that
+    # the config's could not name.
+    precompile_config_kernels(cfg)
+    runner = build_runner(cfg)
     precompile_runner_kernels(runner)
     runner.train()
     return runner

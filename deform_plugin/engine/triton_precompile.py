@@ -51,13 +51,17 @@ def model_msda_variants(model, dtypes) -> list:
             for shape in sorted(shapes) for dtype in dtypes for reference_dim in (2, 4)]
 
 
+def _triton_compiles_here() -> bool:
+    from deform_plugin.ops.triton_support import triton_interpreter_enabled, triton_unavailable_reason
+    return (not triton_interpreter_enabled() and torch.cuda.is_available()
+            and triton_unavailable_reason(torch.device("cuda")) is None)
+
+
 def precompile_model_kernels(model, optim_wrapper) -> list:
     """Start compiling the model's MSDA kernel variants in background processes (on CUDA with Triton only); returns
     the processes. Variants this process has compiled, or whose workers it started already, are left out."""
     from deform_plugin.ops.msda.precompile import precompile_in_background
-    from deform_plugin.ops.triton_support import triton_interpreter_enabled, triton_unavailable_reason
-    if (triton_interpreter_enabled() or not torch.cuda.is_available()
-            or triton_unavailable_reason(torch.device("cuda")) is not None):
+    if not _triton_compiles_here():
         return []
     variants = model_msda_variants(model, run_dtypes(optim_wrapper))
     device = next((p.device for p in model.parameters() if p.is_cuda), None)
@@ -72,6 +76,53 @@ def precompile_model_kernels(model, optim_wrapper) -> list:
     if processes:
         print_log(f"deform_plugin: compiling {len(processes)} Triton MSDA kernel variants in background processes, "
                   "one per variant", logger="current")
+    return processes
+
+
+def config_asks_for_precompile(cfg) -> bool:
+    """Whether the config's ``custom_hooks`` hold a ``FastPathsHook`` that compiles ahead (``precompile_triton``,
+    on by default)."""
+    from .fast_paths_hook import FastPathsHook
+    return any(isinstance(hook, dict) and hook.get("type") in ("FastPathsHook", FastPathsHook)
+               and hook.get("precompile_triton", True) for hook in cfg.get("custom_hooks") or ())
+
+
+def config_msda_variants(cfg) -> list:
+    """The MSDA kernel variants of the config's model and run dtypes, read from a copy of the model built on the meta
+    device (no weights, a fraction of a second); [] where that build fails (a model whose construction reads
+    tensor values, as Swin's drop-path schedule does)."""
+    import copy
+
+    from mmengine.registry import MODELS, DefaultScope
+    try:
+        with DefaultScope.overwrite_default_scope(cfg.get("default_scope")), torch.device("meta"):
+            model = MODELS.build(copy.deepcopy(cfg.model))
+    except Exception:
+        return []
+    return model_msda_variants(model, run_dtypes(cfg.get("optim_wrapper")))
+
+
+def precompile_config_kernels(cfg) -> list:
+    """What :func:`precompile_runner_kernels` starts, started from the config before the Runner is built: building
+    it (the model, its move to the GPU, the hooks) takes seconds that the compiles then overlap too, and the run's
+    first iteration waits for less. Returns the processes; [] where the config asks for nothing, where Triton does
+    not compile here, or where the model cannot be built on the meta device (the Runner's model then starts
+    them)."""
+    from deform_plugin.ops.msda.precompile import precompile_in_background
+    if not config_asks_for_precompile(cfg) or not _triton_compiles_here():
+        return []
+    variants = config_msda_variants(cfg)
+    if not variants:
+        return []
+    try:
+        processes = precompile_in_background(variants)
+    except Exception as error:  # ahead of time only: the Runner's model starts them again
+        print_log(f"deform_plugin: the background compile of the Triton MSDA kernels did not start from the config "
+                  f"({error!r})", logger="current", level=logging.WARNING)
+        return []
+    if processes:
+        print_log(f"deform_plugin: compiling {len(processes)} Triton MSDA kernel variants in background processes "
+                  "while the Runner is built", logger="current")
     return processes
 
 

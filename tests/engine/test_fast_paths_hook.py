@@ -1,6 +1,7 @@
 """The fast paths are off unless a config selects them, and the fast configs select them."""
 import os
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +297,45 @@ def test_the_training_script_starts_the_hooks_compiles_as_soon_as_the_runner_is_
     assert precompile_runner_kernels(_RunnerBeforeTrain([])) == [] and precompile_on_cuda == []
     assert len(precompile_runner_kernels(_RunnerBeforeTrain([FastPathsHook()]))) == 4
     assert sorted({v.dtype for v in precompile_on_cuda}) == ["bfloat16", "float32"]
+
+
+@pytest.mark.parametrize("name", ["deformable-detr-refine-twostage_r50_16xb2-50e_coco_deform-plugin-fast.py",
+                                  "mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py"])
+def test_the_variants_read_from_a_config_are_those_of_its_built_model(name):
+    import copy
+
+    from mmengine.config import Config
+    from mmengine.registry import MODELS, DefaultScope
+
+    from deform_plugin.engine.triton_precompile import config_msda_variants, model_msda_variants
+    cfg = Config.fromfile(str(Path(__file__).resolve().parents[2] / "configs" / "fast" / name))
+    cfg.optim_wrapper = dict(type="AmpOptimWrapper", dtype="bfloat16")
+    model_cfg = copy.deepcopy(cfg.model)
+    variants = config_msda_variants(cfg)
+    assert cfg.model == model_cfg  # the Runner builds the model from the config as it was
+    with DefaultScope.overwrite_default_scope(cfg.default_scope):
+        model = MODELS.build(cfg.model)
+    assert variants == model_msda_variants(model, ["float32", "bfloat16"]) and len(variants) == 4
+
+
+def test_the_training_script_starts_the_compiles_from_the_config_before_the_runner(precompile_on_cuda):
+    from mmengine.config import Config
+
+    from deform_plugin.engine.triton_precompile import precompile_config_kernels
+    msda = dict(type="MultiScaleDeformableAttention", embed_dims=64, num_heads=4, num_levels=3, num_points=2)
+    cfg = Config(dict(default_scope="mmdet", model=msda, optim_wrapper=dict(type="AmpOptimWrapper", dtype="bfloat16"),
+                      custom_hooks=[dict(type="FastPathsHook", precompile_triton=False)]))
+    assert precompile_config_kernels(cfg) == [] and precompile_on_cuda == []
+    cfg.custom_hooks = [dict(type="FastPathsHook")]
+    assert len(precompile_config_kernels(cfg)) == 4
+    assert sorted((v.dtype, v.reference_dim, v.num_levels) for v in precompile_on_cuda) == [
+        ("bfloat16", 2, 3), ("bfloat16", 4, 3), ("float32", 2, 3), ("float32", 4, 3)]
+
+
+def test_a_config_whose_model_cannot_be_built_on_the_meta_device_starts_nothing(precompile_on_cuda):
+    from mmengine.config import Config
+
+    from deform_plugin.engine.triton_precompile import precompile_config_kernels
+    cfg = Config(dict(default_scope="mmdet", model=dict(type="NoSuchDetector"),
+                      custom_hooks=[dict(type="FastPathsHook")]))
+    assert precompile_config_kernels(cfg) == [] and precompile_on_cuda == []
