@@ -30,3 +30,23 @@ def mmdet_default_scope():
     if current is None or current.scope_name != "mmdet":
         DefaultScope.get_instance(f"deform_plugin-tests-{next(_SCOPE_NAMES)}", scope_name="mmdet")
     yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_visualizers():
+    """Each test's Runners build visualizers of their own.
+
+    mmengine keeps a visualizer per name for the whole process, and a Runner names its visualizer by the second it
+    was built at: two Runners built within one second (two tests in one worker) would share the first one's, whose
+    files went to the first test's temporary folder, deleted since.
+    """
+    yield
+    from mmengine.visualization import Visualizer
+    for cls in [Visualizer, *_subclasses(Visualizer)]:
+        cls._instance_dict.clear()
+
+
+def _subclasses(cls):
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
