@@ -31,6 +31,7 @@ The result goes to a JSON file: ``out_file``, else ``$DEFORM_PLUGIN_TIMING_JSON`
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -202,6 +203,11 @@ class IterationTimerHook(Hook):
         self._image_pixels = 0
         self._iteration_ends: List[float] = []
         self._iteration_kinds: List[Optional[str]] = []
+        self._iteration_reserved_mib: List[Optional[float]] = []
+        self._iteration_graphs: List[Optional[int]] = []
+        # Iterations whose loss was NaN or inf, counted on the device (read once, at the summary: no sync per step).
+        self._nonfinite_losses = None
+        self._checked_losses = 0
         self._graph_counters: Optional[Tuple[int, int, int]] = None
         self._regions: Optional[list] = None  # found at the first iteration's end (hooks set them up before)
         self._step_times = None  # the model wrapper's per-step times, where it keeps them
@@ -262,8 +268,23 @@ class IterationTimerHook(Hook):
             self._mark(iteration)
         self._iteration_ends.append(self.clock())
         self._iteration_kinds.append(self._graphed_kind(model))
+        self._iteration_reserved_mib.append(torch.cuda.memory_reserved() / 2 ** 20 if self._uses_cuda else None)
+        self._iteration_graphs.append(None if self._graph_counters is None else self._graph_counters[0])
+        self._count_nonfinite_loss(outputs)
         if iteration == self.warmup_iters:
             self._compiles_after_warmup = compiled_variants_if_loaded()
+
+    def _count_nonfinite_loss(self, outputs) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else None
+        if isinstance(loss, torch.Tensor):
+            bad = (~torch.isfinite(loss.detach())).any().to(torch.int64)
+            self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad
+            self._checked_losses += 1
+        elif isinstance(loss, (int, float)):
+            bad = torch.tensor(int(not math.isfinite(loss)))
+            self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad.to(
+                self._nonfinite_losses.device)
+            self._checked_losses += 1
 
     def _graphed_kind(self, model) -> Optional[str]:
         """What the model's graphed regions ran in the iteration that just ended (None without graphed training):
@@ -284,15 +305,17 @@ class IterationTimerHook(Hook):
 
     def per_iteration(self) -> List[dict]:
         """Each iteration's host seconds (from the previous iteration's end, the first from training's start), what
-        its graphed regions ran, its batch's padded shape (``shape``, the data preprocessor's own padding) and the
-        shape it ran at (``run_shape``: after ShapeBucketsHook's further padding, where it pads; else None)."""
+        its graphed regions ran, its batch's padded shape (``shape``, the data preprocessor's own padding), the
+        shape it ran at (``run_shape``: after ShapeBucketsHook's further padding, where it pads; else None), the
+        device memory the caching allocator reserved at its end (``reserved_mib``, CUDA only) and the graphs
+        captured so far (``graphs``, graphed training only)."""
         start = self._marks.get(0, (None, 0))[0]
         entries, previous = [], start
-        for index, (end, kind, shape, run_shape) in enumerate(zip(self._iteration_ends, self._iteration_kinds,
-                                                                  self._iteration_shapes,
-                                                                  self._iteration_run_shapes)):
+        for index, (end, kind, shape, run_shape, reserved, graphs) in enumerate(zip(
+                self._iteration_ends, self._iteration_kinds, self._iteration_shapes, self._iteration_run_shapes,
+                self._iteration_reserved_mib, self._iteration_graphs)):
             entries.append(dict(iteration=index + 1, seconds=None if previous is None else end - previous,
-                                kind=kind, shape=shape, run_shape=run_shape))
+                                kind=kind, shape=shape, run_shape=run_shape, reserved_mib=reserved, graphs=graphs))
             previous = end
         return entries
 
@@ -353,6 +376,8 @@ class IterationTimerHook(Hook):
             peak_reserved_mib=self._peak_reserved / 2 ** 20 if self._uses_cuda else None,
             graphed_training=_graphed_training_stats(getattr(runner, "model", None)),
             per_iteration=self.per_iteration(),
+            losses_checked=self._checked_losses,
+            nonfinite_losses=None if self._nonfinite_losses is None else int(self._nonfinite_losses),
             data_parallel_steps=data_parallel_steps,
         )
 

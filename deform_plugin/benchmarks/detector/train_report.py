@@ -22,6 +22,7 @@ from typing import Dict, Optional, Sequence
 
 from ..common import repo_commit
 from .coco_source import CocoSource
+from .long_run import long_run_figures, long_run_lines, plot_long_runs
 from .random_text_encoder import TIMING_ONLY_LABEL
 from .rank_steps import add_scaling, median_step_ms, multi_gpu_tables, rank_step_figures
 
@@ -123,6 +124,7 @@ def row_metrics(result: dict, windows: Dict[str, tuple]) -> dict:
     metrics["split"] = iteration_split(timing.get("per_iteration") or [], windows["all"])
     metrics["steady_replay_median_ms"] = replay_median_ms(timing.get("per_iteration") or [], windows["steady"])
     metrics["median_step_ms"] = median_step_ms(timing.get("per_iteration") or [], windows["steady"])
+    metrics["long_run"] = long_run_figures(timing)
     rank_steps = rank_step_figures(timing.get("data_parallel_steps"), windows["steady"])
     if rank_steps:
         ranks = rank_steps["ranks"]
@@ -242,6 +244,7 @@ def markdown(report: dict) -> str:
             f"| {_fmt(m['speedup'], '.2f', 'x')} |")
     lines += split_table(report["rows"], whole, steady)
     lines += multi_gpu_tables(report["rows"], steady)
+    lines += long_run_lines(report["rows"])
     failed = [r for r in report["results"] if r["status"] != "ok"]
     for result in failed:
         lines += ["", f"**{Path(result['config']).name} {result['row']} failed** (log: {result['log']}):", "",
@@ -282,6 +285,9 @@ def write_reports(report: dict, out_dir: Path) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{REPORT_NAME}.json").write_text(json.dumps(report, indent=2, default=str))
     text = markdown(report)
+    plot = plot_long_runs(report["results"], out_dir / f"{REPORT_NAME}_long_runs.png")
+    if plot is not None:
+        text += f"\n![long runs]({Path(plot).name})\n"
     (out_dir / f"{REPORT_NAME}.md").write_text(text)
     csv_path = out_dir / f"{REPORT_NAME}.csv"
     if csv_path.exists():

@@ -233,3 +233,19 @@ def test_timer_turns_on_the_wrappers_step_times_and_writes_them_per_rank(tmp_pat
     stock = IterationTimerHook(windows=[(1, 1)], out_file=str(tmp_path / "s.json"), clock=FakeClock())
     run_fake_training(stock, iterations=1, tmp_path=tmp_path)  # a model without step times: nothing gathered
     assert json.loads((tmp_path / "s.json").read_text())["data_parallel_steps"] is None
+
+
+def test_timer_counts_the_iterations_whose_loss_was_not_finite(tmp_path):
+    out = tmp_path / "timing.json"
+    hook = IterationTimerHook(windows=[(1, 4)], warmup_iters=1, out_file=str(out), clock=FakeClock())
+    runner = SimpleNamespace(iter=0, work_dir=str(tmp_path), model=None, optim_wrapper=None)
+    hook.before_train(runner)
+    losses = [torch.tensor(1.0), torch.tensor(float("nan")), 2.5, torch.tensor(float("inf")), None]
+    for batch_idx, loss in enumerate(losses):
+        outputs = None if loss is None else dict(loss=loss, loss_cls=torch.tensor(0.5))
+        hook.after_train_iter(runner, batch_idx, data_batch=dict(inputs=[None, None]), outputs=outputs)
+    hook.after_train(runner)
+    result = json.loads(out.read_text())
+    assert (result["nonfinite_losses"], result["losses_checked"]) == (2, 4)
+    # On a CPU no memory is reserved, and without graphed training no graphs are counted.
+    assert [(e["reserved_mib"], e["graphs"]) for e in result["per_iteration"]] == [(None, None)] * 5
