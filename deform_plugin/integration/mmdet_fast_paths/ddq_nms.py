@@ -41,10 +41,13 @@ def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def float32_batched_nms(batched_nms: Callable) -> Callable:
-    """``batched_nms`` (mmcv's signature) called with its boxes and scores in float32 where they are bf16 or fp16."""
+    """``batched_nms`` (mmcv's signature) called with its boxes and scores in float32 where they are bf16 or fp16,
+    and its class indices on the boxes' device: DDQ-DETR's decoder passes CPU indices, which mmcv's per-class branch
+    (more boxes than its ``split_thr``) indexes with the device's kept indices."""
 
     def batched_nms_in_float32(boxes, scores, idxs, nms_cfg, class_agnostic=False):
-        return batched_nms(_at_least_float32(boxes), _at_least_float32(scores), idxs, nms_cfg, class_agnostic)
+        return batched_nms(_at_least_float32(boxes), _at_least_float32(scores), idxs.to(boxes.device), nms_cfg,
+                           class_agnostic)
 
     return batched_nms_in_float32
 
