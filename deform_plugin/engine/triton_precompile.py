@@ -81,10 +81,12 @@ def precompile_model_kernels(model, optim_wrapper) -> list:
 
 def config_asks_for_precompile(cfg) -> bool:
     """Whether the config's ``custom_hooks`` hold a ``FastPathsHook`` that compiles ahead (``precompile_triton``,
-    on by default)."""
-    from .fast_paths_hook import FastPathsHook
-    return any(isinstance(hook, dict) and hook.get("type") in ("FastPathsHook", FastPathsHook)
-               and hook.get("precompile_triton", True) for hook in cfg.get("custom_hooks") or ())
+    on by default). The hook is named, not imported: it imports this module."""
+    def is_fast_paths_hook(hook_type) -> bool:
+        name = hook_type if isinstance(hook_type, str) else getattr(hook_type, "__name__", None)
+        return name is not None and name.rsplit(".", 1)[-1] == "FastPathsHook"
+    return any(isinstance(hook, dict) and is_fast_paths_hook(hook.get("type")) and hook.get("precompile_triton", True)
+               for hook in cfg.get("custom_hooks") or ())
 
 
 def config_msda_variants(cfg) -> list:
@@ -133,9 +135,8 @@ def precompile_runner_kernels(runner) -> list:
     and the kernels compile meanwhile. The hook's own call then starts nothing twice. Nothing where no
     ``FastPathsHook`` asks for it."""
     from mmengine.model import is_model_wrapper
-
-    from .fast_paths_hook import FastPathsHook
-    if not any(isinstance(hook, FastPathsHook) and hook.precompile_triton for hook in getattr(runner, "hooks", ())):
+    # FastPathsHook is the hook with this switch; it imports this module, so it is found by its switch.
+    if not any(getattr(hook, "precompile_triton", False) is True for hook in getattr(runner, "hooks", ())):
         return []
     model = runner.model.module if is_model_wrapper(runner.model) else runner.model
     return precompile_model_kernels(model, getattr(runner, "optim_wrapper", None))
