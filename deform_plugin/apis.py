@@ -63,15 +63,14 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
                                                        float32_nms=has_ddq_nms(model)))
     changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
     on_gpu = any(parameter.is_cuda for parameter in model.parameters())
+    from mmengine.logging import print_log
     if cudnn_v7_api or (cudnn_v7_api is None and on_gpu):
         from .conv_planning import prefer_cudnn_v7_api, selected_api_line
         changed["cudnn_v7_api"] = prefer_cudnn_v7_api()
-        from mmengine.logging import print_log
         print_log(f"deform_plugin: {selected_api_line()} (enable_fast_inference(cudnn_v7_api=False) keeps "
                   "PyTorch's choice)", logger="current")
     if on_gpu:
         import torch
-        from mmengine.logging import print_log
         before = torch.get_num_threads()
         if cap_threads_for_gpu_inference(cpu_threads) is not None:
             changed["cpu_threads"] = cpu_threads

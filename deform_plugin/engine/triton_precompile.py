@@ -57,16 +57,11 @@ def _triton_compiles_here() -> bool:
             and triton_unavailable_reason(torch.device("cuda")) is None)
 
 
-def precompile_model_kernels(model, optim_wrapper) -> list:
-    """Start compiling the model's MSDA kernel variants in background processes (on CUDA with Triton only); returns
-    the processes. Variants this process has compiled, or whose workers it started already, are left out."""
+def _start_compiles(variants, device, when: str) -> list:
+    """Start the variants' compile workers, Triton's JIT targeting ``device`` (None: the current one); a failure to
+    start is logged and leaves the run's first launches to compile."""
     from deform_plugin.ops.msda.precompile import precompile_in_background
-    if not _triton_compiles_here():
-        return []
-    variants = model_msda_variants(model, run_dtypes(optim_wrapper))
-    device = next((p.device for p in model.parameters() if p.is_cuda), None)
     try:
-        # Triton's JIT compiles for the current device's target: the model's GPU.
         with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
             processes = precompile_in_background(variants)
     except Exception as error:  # ahead of time only: the run's first launches compile and report real errors
@@ -75,8 +70,18 @@ def precompile_model_kernels(model, optim_wrapper) -> list:
         return []
     if processes:
         print_log(f"deform_plugin: compiling {len(processes)} Triton MSDA kernel variants in background processes, "
-                  "one per variant", logger="current")
+                  f"one per variant{when}", logger="current")
     return processes
+
+
+def precompile_model_kernels(model, optim_wrapper) -> list:
+    """Start compiling the model's MSDA kernel variants in background processes (on CUDA with Triton only); returns
+    the processes. Variants this process has compiled, or whose workers it started already, are left out."""
+    if not _triton_compiles_here():
+        return []
+    # Triton's JIT compiles for the current device's target: the model's GPU.
+    device = next((p.device for p in model.parameters() if p.is_cuda), None)
+    return _start_compiles(model_msda_variants(model, run_dtypes(optim_wrapper)), device, "")
 
 
 def config_asks_for_precompile(cfg) -> bool:
@@ -110,22 +115,10 @@ def precompile_config_kernels(cfg) -> list:
     first iteration waits for less. Returns the processes; [] where the config asks for nothing, where Triton does
     not compile here, or where the model cannot be built on the meta device (the Runner's model then starts
     them)."""
-    from deform_plugin.ops.msda.precompile import precompile_in_background
     if not config_asks_for_precompile(cfg) or not _triton_compiles_here():
         return []
     variants = config_msda_variants(cfg)
-    if not variants:
-        return []
-    try:
-        processes = precompile_in_background(variants)
-    except Exception as error:  # ahead of time only: the Runner's model starts them again
-        print_log(f"deform_plugin: the background compile of the Triton MSDA kernels did not start from the config "
-                  f"({error!r})", logger="current", level=logging.WARNING)
-        return []
-    if processes:
-        print_log(f"deform_plugin: compiling {len(processes)} Triton MSDA kernel variants in background processes "
-                  "while the Runner is built", logger="current")
-    return processes
+    return _start_compiles(variants, None, ", while the Runner is built") if variants else []
 
 
 def precompile_runner_kernels(runner) -> list:

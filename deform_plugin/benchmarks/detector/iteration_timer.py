@@ -205,8 +205,10 @@ class IterationTimerHook(Hook):
         self._iteration_kinds: List[Optional[str]] = []
         self._iteration_reserved_mib: List[Optional[float]] = []
         self._iteration_graphs: List[Optional[int]] = []
-        # Iterations whose loss was NaN or inf, counted on the device (read once, at the summary: no sync per step).
+        # Iterations whose loss was NaN or inf: a tensor loss counted on its device (read once, at the summary: no
+        # sync per step), a float one here.
         self._nonfinite_losses = None
+        self._nonfinite_float_losses = 0
         self._checked_losses = 0
         self._graph_counters: Optional[Tuple[int, int, int]] = None
         self._regions: Optional[list] = None  # found at the first iteration's end (hooks set them up before)
@@ -281,9 +283,7 @@ class IterationTimerHook(Hook):
             self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad
             self._checked_losses += 1
         elif isinstance(loss, (int, float)):
-            bad = torch.tensor(int(not math.isfinite(loss)))
-            self._nonfinite_losses = bad if self._nonfinite_losses is None else self._nonfinite_losses + bad.to(
-                self._nonfinite_losses.device)
+            self._nonfinite_float_losses += not math.isfinite(loss)
             self._checked_losses += 1
 
     def _graphed_kind(self, model) -> Optional[str]:
@@ -377,7 +377,8 @@ class IterationTimerHook(Hook):
             graphed_training=_graphed_training_stats(getattr(runner, "model", None)),
             per_iteration=self.per_iteration(),
             losses_checked=self._checked_losses,
-            nonfinite_losses=None if self._nonfinite_losses is None else int(self._nonfinite_losses),
+            nonfinite_losses=(None if not self._checked_losses else self._nonfinite_float_losses
+                              + (0 if self._nonfinite_losses is None else int(self._nonfinite_losses))),
             data_parallel_steps=data_parallel_steps,
         )
 
