@@ -92,6 +92,17 @@ class FastPathsHook(Hook):
         return CapturePolicy(capture_after=capture_after, max_graphs=self.max_graphs,
                              max_graph_memory_mb=self.max_graph_memory_mb)
 
+    def run_fast_paths(self, runner):
+        """The switches for this run: ``feature_bucket_size`` None becomes 128 px with ``cuda_graphs`` in a run
+        without :class:`ShapeBucketsHook` (its batch shapes rarely recur, the feature buckets' do), 0 (off)
+        elsewhere."""
+        import dataclasses
+        paths = self.fast_paths
+        if paths.feature_bucket_size is None:
+            size = 128 if paths.cuda_graphs and not self._padded_to_buckets(runner) else 0
+            paths = dataclasses.replace(paths, feature_bucket_size=size)
+        return paths
+
     def before_run(self, runner) -> None:
         from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
         from deform_plugin.ops.msda import prepare_triton_in_background
@@ -111,8 +122,8 @@ class FastPathsHook(Hook):
         # its data loader's workers start (it would otherwise fall in the first iteration).
         prepare_triton_in_background()
         policy = self.capture_policy(runner) if self.fast_paths.cuda_graphs else None
-        changed = apply_fast_paths(runner.model, self.fast_paths, gradient_slots=self._gradient_slots(runner.model),
-                                   capture_policy=policy)
+        changed = apply_fast_paths(runner.model, self.run_fast_paths(runner),
+                                   gradient_slots=self._gradient_slots(runner.model), capture_policy=policy)
         graphs = f"; graphs: {policy}" if policy is not None else ""
         print_log(f"deform_plugin fast paths: {changed or 'none selected'}{graphs}", logger="current")
 
@@ -129,7 +140,7 @@ def fast_path_switches_from_config(cfg) -> dict:
     switches = {}
     for hook_cfg in cfg.get("custom_hooks", None) or []:
         if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
-            switches.update({k: None if v is None else bool(v) for k, v in hook_cfg.items()
+            switches.update({k: v if v is None or k == "feature_bucket_size" else bool(v) for k, v in hook_cfg.items()
                              if k not in ("type", "priority") + HOOK_OPTIONS})
     FastPaths.from_dict(switches)
     return switches

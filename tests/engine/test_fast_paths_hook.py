@@ -10,7 +10,7 @@ from mmcv.cnn.bricks.transformer import MultiheadAttention
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
-from deform_plugin.engine import FastPathsHook, fast_path_switches_from_config
+from deform_plugin.engine import FastPathsHook, ShapeBucketsHook, fast_path_switches_from_config
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths, sdpa_multihead_attention_class
 
 
@@ -123,8 +123,8 @@ def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
     from deform_plugin.integration import mmdet_fast_paths
     calls = []
     monkeypatch.setattr(mmdet_fast_paths, "enable_cuda_graphs",
-                        lambda model, split_at_features, gradient_slots, policy: calls.append(
-                            (split_at_features, gradient_slots)) or 0)
+                        lambda model, split_at_features, gradient_slots, policy, feature_bucket_size: calls.append(
+                            (split_at_features, gradient_slots, feature_bucket_size)) or 0)
     monkeypatch.setattr(mmdet_fast_paths, "enable_sync_free_forward", lambda model: 0)
     monkeypatch.setattr(mmdet_fast_paths, "check_mirrored_mmdet_version", lambda switch: None)
 
@@ -145,11 +145,22 @@ def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
             FastPathsHook(cuda_graphs=True).before_run(_FakeRunner(wrapped))
     finally:
         MODEL_WRAPPERS._module_dict.pop("SlottedWrapper")
-    # CPU parameters: no slots of the hook's own; the wrapper's slots reach the regions.
-    assert calls == [(False, None), (True, None), (False, wrapped.gradient_slots),
-                     (True, None), (False, None), (False, wrapped.gradient_slots)]
-    cfg = dict(custom_hooks=[dict(type="FastPathsHook", cuda_graphs=1, split_graphs_at_features=None)])
-    assert fast_path_switches_from_config(cfg) == dict(cuda_graphs=True, split_graphs_at_features=None)
+    # CPU parameters: no slots of the hook's own; the wrapper's slots reach the regions. No ShapeBucketsHook in these
+    # runs: the transformer's graphs take 128 px feature buckets.
+    assert calls == [(False, None, 128), (True, None, 128), (False, wrapped.gradient_slots, 128),
+                     (True, None, 128), (False, None, 128), (False, wrapped.gradient_slots, 128)]
+    # With ShapeBucketsHook the batch shapes recur: no feature buckets, unless the config sets a size; 0 is off.
+    calls.clear()
+    bucketed = _FakeRunner(nn.Linear(2, 2))
+    bucketed.hooks = [ShapeBucketsHook()]
+    FastPathsHook(cuda_graphs=True).before_run(bucketed)
+    FastPathsHook(cuda_graphs=True, feature_bucket_size=64).before_run(bucketed)
+    FastPathsHook(cuda_graphs=True, feature_bucket_size=0).before_run(_FakeRunner(nn.Linear(2, 2)))
+    assert [call[2] for call in calls] == [None, 64, None]
+    cfg = dict(custom_hooks=[dict(type="FastPathsHook", cuda_graphs=1, split_graphs_at_features=None,
+                                  feature_bucket_size=96)])
+    assert fast_path_switches_from_config(cfg) == dict(cuda_graphs=True, split_graphs_at_features=None,
+                                                       feature_bucket_size=96)
 
 
 def test_a_config_key_that_is_no_switch_is_refused_by_name():

@@ -97,7 +97,8 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
     (never with DistributedDataParallel) let the graphed regions hand the parameters their gradients without
     autograd's per-parameter accumulation (see :func:`.graphed_training.enable_cuda_graph_training`).
     ``capture_policy`` (a :class:`deform_plugin.cuda_graphs.CapturePolicy`) says when ``cuda_graphs`` captures an
-    input shape.
+    input shape; ``feature_bucket_size`` pads the DETRs' feature maps to buckets before their transformer's graphs
+    (:class:`FastPaths`).
     """
     if switches is not None and switch_values:
         raise TypeError(f"apply_fast_paths takes a FastPaths or switches by keyword, not both (got "
@@ -148,7 +149,8 @@ def apply_fast_paths(model: nn.Module, switches: Optional[FastPaths] = None, gra
         if split is None:
             split = _distributed_over_processes() and gradient_slots is None
         changed["cuda_graphs"] = enable_cuda_graphs(model, split_at_features=split, gradient_slots=gradient_slots,
-                                                    policy=capture_policy)
+                                                    policy=capture_policy,
+                                                    feature_bucket_size=paths.feature_bucket_size or None)
     # Logged, not warned: the shared configs select switches that some families have nothing for (DINO's FFNs have no
     # dropout to fuse).
     for note in unchanged_notes(model, changed):

@@ -25,11 +25,15 @@ class GraphedLoss(NamedTuple):
     the region's inputs and what the tail needs to know of them, ``region(*inputs)`` runs in the graph, and
     ``tail(outputs, constants, samples, context)`` computes the losses eagerly. ``region`` takes ``features=`` (the
     outputs of ``detector.extract_feat``) where ``splits_at_features``: its first input then only gives the batch's
-    padded shape."""
+    padded shape (None with ``levels=``)."""
     region: Callable
     region_inputs: Callable
     tail: Callable
     splits_at_features: bool = False
+    # Whether ``region`` also takes ``levels=(level_masks, unpadded_shapes)`` with ``features=`` padded to a feature
+    # bucket (:mod:`.padded_levels`), and which of its outputs then hold every padded token.
+    pads_features: bool = False
+    token_outputs: tuple = ()
 
 
 def denoising_queries(generator, batch_data_samples):

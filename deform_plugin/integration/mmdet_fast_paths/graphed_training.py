@@ -32,6 +32,7 @@ and no autograd accumulation runs per parameter.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -41,15 +42,23 @@ from deform_plugin.cuda_graphs import CapturePolicy
 from .graphed_inputs import (GraphedLoss, cached_denoising_mask, denoising_queries, image_sizes_tensor,
                              padded_denoising_count)
 from .graphed_region import GraphedRegion
-from .sync_free_forward import deformable_detr_pre_transformer_from_image_sizes
+from .padded_levels import (added_tokens, dino_forward_decoder, pad_levels, pads_deformable_detr_decoder,
+                            pads_dino_decoder, two_stage_pre_decoder, unpadded_token_outputs, unpadded_valid_ratios)
+from .sync_free_forward import (deformable_detr_pre_transformer_from_image_sizes,
+                                deformable_detr_pre_transformer_from_level_masks)
 
 
-def detr_encoder(detector, batch_inputs, image_sizes, features=None):
+def detr_encoder(detector, batch_inputs, image_sizes, features=None, level_masks=None):
     # ``features``: the backbone's and neck's outputs where another region computed them (``batch_inputs`` then
-    # only carries the padded batch's height and width in its shape).
+    # only carries the padded batch's height and width in its shape); ``level_masks``: their padding masks where
+    # the levels come padded to a feature bucket (:mod:`.padded_levels`).
     img_feats = detector.extract_feat(batch_inputs) if features is None else features
-    encoder_inputs, decoder_inputs = deformable_detr_pre_transformer_from_image_sizes(
-        detector, img_feats, image_sizes, batch_inputs.shape[-2], batch_inputs.shape[-1])
+    if level_masks is not None:
+        encoder_inputs, decoder_inputs = deformable_detr_pre_transformer_from_level_masks(
+            detector, img_feats, level_masks)
+    else:
+        encoder_inputs, decoder_inputs = deformable_detr_pre_transformer_from_image_sizes(
+            detector, img_feats, image_sizes, batch_inputs.shape[-2], batch_inputs.shape[-1])
     encoder_outputs = detector.forward_encoder(**encoder_inputs)
     return encoder_outputs, decoder_inputs
 
@@ -136,9 +145,18 @@ def _detr_region_and_tail(detector):
         head = detector.bbox_head
         if type(head).loss is DeformableDETRHead.loss:
             # mmdet 3.3.0's DeformableDETRHead.loss, its forward (the class and box branches) inside the region.
-            def whole_network(batch_inputs, image_sizes, features=None):
-                encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
-                head_inputs = detr_decoder(detector, encoder_outputs, decoder_inputs)
+            def whole_network(batch_inputs, image_sizes, features=None, levels=None):
+                level_masks, unpadded_shapes = (None, None) if levels is None else levels
+                encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features,
+                                                               level_masks)
+                if levels is not None and detector.as_two_stage:
+                    excluded = added_tokens(decoder_inputs["spatial_shapes"], unpadded_shapes)
+                    decoder_inputs_from_encoder, head_inputs = two_stage_pre_decoder(
+                        detector, encoder_outputs["memory"], encoder_outputs["memory_mask"],
+                        encoder_outputs["spatial_shapes"], excluded)
+                    head_inputs.update(detector.forward_decoder(**decoder_inputs, **decoder_inputs_from_encoder))
+                else:
+                    head_inputs = detr_decoder(detector, encoder_outputs, decoder_inputs)
                 outputs = dict(head_outputs=head(head_inputs["hidden_states"], head_inputs["references"]),
                                enc_outputs_class=head_inputs.get("enc_outputs_class"),
                                enc_outputs_coord=head_inputs.get("enc_outputs_coord"))
@@ -149,7 +167,9 @@ def _detr_region_and_tail(detector):
                 batch_img_metas = [sample.metainfo for sample in batch_data_samples]
                 return head.loss_by_feat(*outputs["head_outputs"], outputs["enc_outputs_class"],
                                          outputs["enc_outputs_coord"], batch_gt_instances, batch_img_metas)
-            return GraphedLoss(whole_network, _pixels_and_image_sizes, tail, splits_at_features=True)
+            return GraphedLoss(whole_network, _pixels_and_image_sizes, tail, splits_at_features=True,
+                               pads_features=pads_deformable_detr_decoder(detector),
+                               token_outputs=("enc_outputs_class", "enc_outputs_coord"))
 
         def transformer_only(batch_inputs, image_sizes, features=None):
             encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
@@ -193,8 +213,9 @@ def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
             and type(generator).collate_dn_queries is CdnQueryGenerator.collate_dn_queries):
         return None
 
-    def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask, features=None):
-        encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
+    def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask, features=None, levels=None):
+        level_masks, unpadded_shapes = (None, None) if levels is None else levels
+        encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features, level_masks)
         # mmdet 3.3.0's DINO.pre_decoder in training, with the denoising queries given.
         memory = encoder_outputs["memory"]
         num_layers = detector.decoder.num_layers
@@ -202,7 +223,11 @@ def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
             memory, encoder_outputs["memory_mask"], encoder_outputs["spatial_shapes"])
         enc_outputs_class = head.cls_branches[num_layers](output_memory)
         enc_outputs_coord_unact = head.reg_branches[num_layers](output_memory) + output_proposals
-        topk_indices = torch.topk(enc_outputs_class.max(-1)[0], k=detector.num_queries, dim=1)[1]
+        scores = enc_outputs_class.max(-1)[0]
+        if levels is not None:  # the tokens added by the padding stay out of the top-k
+            scores = scores.masked_fill(added_tokens(encoder_outputs["spatial_shapes"], unpadded_shapes),
+                                        float("-inf"))
+        topk_indices = torch.topk(scores, k=detector.num_queries, dim=1)[1]
         topk_score = torch.gather(enc_outputs_class, 1,
                                   topk_indices.unsqueeze(-1).repeat(1, 1, enc_outputs_class.shape[-1]))
         topk_coords_unact = torch.gather(enc_outputs_coord_unact, 1, topk_indices.unsqueeze(-1).repeat(1, 1, 4))
@@ -210,8 +235,13 @@ def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
         query = detector.query_embedding.weight[:, None, :].repeat(1, memory.shape[0], 1).transpose(0, 1)
         query = torch.cat([dn_label_query, query], dim=1)
         reference_points = torch.cat([dn_bbox_query, topk_coords_unact.detach()], dim=1).sigmoid()
-        decoder_outputs = detector.forward_decoder(query=query, memory=memory, reference_points=reference_points,
-                                                   dn_mask=dn_mask, **decoder_inputs)
+        if levels is None:
+            decoder_outputs = detector.forward_decoder(query=query, memory=memory, reference_points=reference_points,
+                                                       dn_mask=dn_mask, **decoder_inputs)
+        else:
+            decoder_outputs = dino_forward_decoder(
+                detector, query, memory, reference_points=reference_points, dn_mask=dn_mask,
+                query_position_ratios=unpadded_valid_ratios(level_masks, unpadded_shapes), **decoder_inputs)
         all_cls_scores, all_bbox_preds = head(decoder_outputs["hidden_states"], decoder_outputs["references"])
         return dict(all_cls_scores=all_cls_scores, all_bbox_preds=all_bbox_preds, enc_outputs_class=topk_score,
                     enc_outputs_coord=topk_coords), None
@@ -236,7 +266,8 @@ def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
         return head.loss_by_feat(unpadded(outputs["all_cls_scores"]), unpadded(outputs["all_bbox_preds"]),
                                  outputs["enc_outputs_class"], outputs["enc_outputs_coord"], batch_gt_instances,
                                  batch_img_metas, dn_meta)
-    return GraphedLoss(network, region_inputs, tail, splits_at_features=True)
+    return GraphedLoss(network, region_inputs, tail, splits_at_features=True,
+                       pads_features=pads_dino_decoder(detector))
 
 
 def _feature_module_names(detector) -> Tuple[str, ...]:
@@ -249,7 +280,8 @@ def _in_modules(names: Tuple[str, ...]) -> Callable[[str], bool]:
 
 
 def enable_cuda_graph_training(detector, policy: Optional[CapturePolicy] = None, split_at_features: bool = False,
-                               gradient_slots=None) -> Optional[GraphedRegion]:
+                               gradient_slots=None, feature_bucket_size: Optional[int] = None
+                               ) -> Optional[GraphedRegion]:
     """Give one Deformable-DETR-family or Mask2Former detector (an instance with mmdet 3.3.0's pieces) the
     graph-replayed training loss; returns its :class:`GraphedRegion`, or None when the detector is not one this path
     knows. ``policy``: when an input shape is captured (:class:`~deform_plugin.cuda_graphs.CapturePolicy`; its
@@ -261,6 +293,12 @@ def enable_cuda_graph_training(detector, policy: Optional[CapturePolicy] = None,
     replays (with one region every gradient arrives at the end of the backward, and no reduction overlaps it). On
     one GPU it only adds a region boundary (a copy of the features and of their gradients).
 
+    ``feature_bucket_size`` (pixels; Deformable-DETR and DINO with mmdet 3.3.0's decoders; implies
+    ``split_at_features``): the features' levels reach the second region padded to a feature bucket, each side
+    rounded up to this many input pixels (:mod:`.padded_levels`), so that its graphs serve every batch shape of the
+    bucket; the backbone and neck run at the batch's own shape. The losses and gradients stay the unpadded ones. A
+    bucket recurs by construction: the second region captures it at its first call (``capture_after=1``).
+
     ``gradient_slots``: the regions write the parameters' gradients into these slots and make them the ``.grad``
     (see :class:`.graphed_region.GraphedRegion`); not under DistributedDataParallel.
     """
@@ -269,6 +307,11 @@ def enable_cuda_graph_training(detector, policy: Optional[CapturePolicy] = None,
     pieces = _region_and_tail(detector)
     if pieces is None:
         return None
+    if feature_bucket_size is not None and (isinstance(feature_bucket_size, bool)
+                                            or not isinstance(feature_bucket_size, int) or feature_bucket_size < 1):
+        raise ValueError(f"feature_bucket_size must be an int >= 1 (pixels) or None, got {feature_bucket_size!r}")
+    pads_features = feature_bucket_size is not None and pieces.pads_features
+    split_at_features = split_at_features or pads_features
     name = type(detector).__name__
     features_region = None
     if split_at_features and pieces.splits_at_features:
@@ -288,8 +331,18 @@ def enable_cuda_graph_training(detector, policy: Optional[CapturePolicy] = None,
             count = feature_count[0]
             return pieces.region(padded_shape, *inputs[count:], features=inputs[:count])
 
-        region = GraphedRegion(after_features, detector, name=f"{name} training transformer and head",
-                               policy=policy, gradient_slots=gradient_slots,
+        def after_padded_features(*inputs):
+            # The levels' features, their padding masks, their unpadded shapes, then the region's other inputs.
+            count = feature_count[0]
+            levels = (inputs[count:2 * count], inputs[2 * count])
+            return pieces.region(None, *inputs[2 * count + 1:], features=inputs[:count], levels=levels)
+
+        region_policy = policy
+        if pads_features:  # buckets recur by construction: captured at their first call once the kind warmed up
+            region_policy = dataclasses.replace(policy or CapturePolicy(), capture_after=1)
+        region = GraphedRegion(after_padded_features if pads_features else after_features, detector,
+                               name=f"{name} training transformer and head", policy=region_policy,
+                               gradient_slots=gradient_slots,
                                parameter_filter=lambda parameter: not in_feature_modules(parameter))
     else:
         region = GraphedRegion(pieces.region, detector, name=f"{name} training forward", policy=policy,
@@ -300,27 +353,36 @@ def enable_cuda_graph_training(detector, policy: Optional[CapturePolicy] = None,
         if not torch.is_grad_enabled():
             return stock_loss(batch_inputs, batch_data_samples)
         inputs, context = pieces.region_inputs(batch_inputs, batch_data_samples)
+        levels = None
         if features_region is not None:
             pixels, *others = inputs
             features, _ = features_region(pixels)
             if not feature_count:
                 feature_count.append(len(features))
-            # An empty tensor carries the padded height and width into the second region's signature.
-            inputs = (pixels.new_empty((0,) + tuple(pixels.shape[-2:])), *features, *others)
+            if pads_features:  # others[0]: the images' sizes
+                levels = pad_levels(features, others[0], pixels.shape[-2:], feature_bucket_size)
+                inputs = (*levels.features, *levels.masks, levels.unpadded_shapes, *others)
+            else:
+                # An empty tensor carries the padded height and width into the second region's signature.
+                inputs = (pixels.new_empty((0,) + tuple(pixels.shape[-2:])), *features, *others)
         outputs, constants = region(*inputs)
+        if levels is not None and pieces.token_outputs:
+            outputs = unpadded_token_outputs(outputs, pieces.token_outputs, levels.token_index)
         return pieces.tail(outputs, constants, batch_data_samples, context)
 
     detector.loss = loss
     detector.graphed_training_region = region
     detector.graphed_training_regions = (region,) if features_region is None else (features_region, region)
+    detector.graphed_feature_bucket_size = feature_bucket_size if pads_features else None
     return region
 
 
 def enable_cuda_graphs(model, split_at_features: bool = False, gradient_slots=None,
-                       policy: Optional[CapturePolicy] = None) -> int:
+                       policy: Optional[CapturePolicy] = None, feature_bucket_size: Optional[int] = None) -> int:
     """Turn the graph-replayed training loss on for every Deformable-DETR-family and Mask2Former detector in
-    ``model``; returns how many detectors changed (``split_at_features``, ``gradient_slots``, ``policy``: see
-    :func:`enable_cuda_graph_training`)."""
+    ``model``; returns how many detectors changed (``split_at_features``, ``gradient_slots``, ``policy``,
+    ``feature_bucket_size``: see :func:`enable_cuda_graph_training`)."""
     return sum(enable_cuda_graph_training(module, policy=policy, split_at_features=split_at_features,
-                                          gradient_slots=gradient_slots) is not None
+                                          gradient_slots=gradient_slots,
+                                          feature_bucket_size=feature_bucket_size) is not None
                for module in model.modules())

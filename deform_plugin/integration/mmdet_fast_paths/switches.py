@@ -48,6 +48,12 @@ class FastPaths:
             own, so that DistributedDataParallel all-reduces the other gradients while the backbone's backward
             replays. None: only under DistributedDataParallel (see
             :func:`~deform_plugin.integration.mmdet_fast_paths.apply_fast_paths`).
+        feature_bucket_size: with ``cuda_graphs``, Deformable-DETR's and DINO's transformer and head captured per
+            feature bucket: the backbone and neck run at each batch's own shape (a region of their own), and their
+            feature maps and padding masks are padded, each side up to a multiple of this many input pixels, before
+            the transformer, whose graphs then serve every batch shape of a bucket. Exact (the added cells are
+            masked and excluded; :mod:`.padded_levels` says why), unlike ``ShapeBucketsHook``'s padding of the
+            images. None or 0: off; ``FastPathsHook`` sets 128 in a run without ``ShapeBucketsHook``.
     """
 
     sdpa_attention: bool = False
@@ -61,22 +67,28 @@ class FastPaths:
     ffn_recompute: bool = False
     float32_nms: bool = False
     split_graphs_at_features: Optional[bool] = None
+    feature_bucket_size: Optional[int] = None
 
     def __post_init__(self):
         for name in self.switch_names():
             object.__setattr__(self, name, bool(getattr(self, name)))
         if self.split_graphs_at_features is not None:
             object.__setattr__(self, "split_graphs_at_features", bool(self.split_graphs_at_features))
+        size = self.feature_bucket_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+            raise ValueError(f"FastPaths: feature_bucket_size must be an int >= 0 (pixels; 0: off) or None, got "
+                             f"{size!r}")
 
     @classmethod
     def field_names(cls) -> Tuple[str, ...]:
-        """Every field: the on/off switches, then ``split_graphs_at_features``."""
+        """Every field: the on/off switches, then ``split_graphs_at_features`` and ``feature_bucket_size``."""
         return tuple(field.name for field in dataclasses.fields(cls))
 
     @classmethod
     def switch_names(cls) -> Tuple[str, ...]:
         """The on/off switches, in the order :func:`apply_fast_paths` turns them on."""
-        return tuple(name for name in cls.field_names() if name != "split_graphs_at_features")
+        return tuple(name for name in cls.field_names()
+                     if name not in ("split_graphs_at_features", "feature_bucket_size"))
 
     @classmethod
     def from_dict(cls, switches: Mapping[str, object]) -> FastPaths:

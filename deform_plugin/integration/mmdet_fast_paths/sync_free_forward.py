@@ -58,11 +58,25 @@ def deformable_detr_pre_transformer_from_image_sizes(self, mlvl_feats, image_siz
     host metadata, so the function can be captured once and replayed for batches of other image sizes. The masks
     hold the stock values (1 on the padding); where the stock path skips them (no image padded), the all-valid
     masks give the same outputs."""
+    mlvl_masks = level_masks_from_image_sizes([feat.shape[-2:] for feat in mlvl_feats], image_sizes, input_img_h,
+                                              input_img_w, mlvl_feats[0].dtype)
+    return deformable_detr_pre_transformer_from_level_masks(self, mlvl_feats, mlvl_masks)
+
+
+def level_masks_from_image_sizes(level_shapes, image_sizes: torch.Tensor, input_img_h: int, input_img_w: int,
+                                 dtype: torch.dtype):
+    """Each level's padding mask (bool, True on the padding), as mmdet 3.3.0's ``pre_transformer`` makes it: the
+    ``input_img_h`` x ``input_img_w`` batch's mask made on the device from ``image_sizes`` and downsampled to each of
+    ``level_shapes``."""
     rows = torch.arange(input_img_h, device=image_sizes.device).view(1, -1, 1)
     cols = torch.arange(input_img_w, device=image_sizes.device).view(1, 1, -1)
-    masks = ((rows >= image_sizes[:, 0].view(-1, 1, 1)) | (cols >= image_sizes[:, 1].view(-1, 1, 1))).to(
-        mlvl_feats[0].dtype)
-    mlvl_masks, mlvl_pos_embeds = _level_masks_and_positions(self, mlvl_feats, masks)
+    masks = ((rows >= image_sizes[:, 0].view(-1, 1, 1)) | (cols >= image_sizes[:, 1].view(-1, 1, 1))).to(dtype)
+    return [F.interpolate(masks[None], size=tuple(shape)).to(torch.bool).squeeze(0) for shape in level_shapes]
+
+
+def deformable_detr_pre_transformer_from_level_masks(self, mlvl_feats, mlvl_masks):
+    """``pre_transformer`` given each level's padding mask (bool)."""
+    mlvl_pos_embeds = [self.positional_encoding(mask) for mask in mlvl_masks]
     return _flatten_levels(self, mlvl_feats, mlvl_masks, mlvl_pos_embeds)
 
 

@@ -155,6 +155,126 @@ def _check_replays_against_stock(name, dtype, split):
         assert (each.eager_calls, each.replays, len(each.captured), each.first_call_captures) == expected_counts
 
 
+# Batches of four padded shapes whose feature maps (strides 8-64) fall into one 64 px feature bucket, then one into
+# another; each batch has a padded image, and in the last two the first image fills the batch (stock has no padding
+# token for it: the bucket's added tokens must stay out of its top-k).
+_FEATURE_BUCKET_BATCHES = [(128, 160, ((128, 160), (112, 136))), (120, 152, ((96, 152), (120, 80))),
+                           (128, 136, ((128, 136), (128, 120))), (104, 160, ((104, 160), (84, 124))),
+                           (136, 160, ((136, 160), (100, 150)))]
+
+
+@pytest.mark.parametrize("name", ["deformable-detr", "deformable-detr-two-stage", "dino"])
+def test_feature_buckets_give_the_unpadded_losses_and_gradients(name):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        # Dropout off: it draws over the padded tokens. mmdet makes the reference points and valid ratios in float32:
+        # padding changes their rounding (relative 1e-7), hence the tolerances. The sampling offsets' initial biases
+        # are whole pixels, which put the encoder's samples on pixel centres, where bilinear sampling has no
+        # derivative (its gradient there depends on the side rounding puts a sample on): fractional offsets here.
+        stock = _with_fractional_offsets(
+            _without_dropout(small_detector(name, dtype=torch.float64, layers=2, feedforward_channels=256)))
+        fast = copy.deepcopy(stock)
+        apply_fast_paths(fast, cuda_graphs=True, feature_bucket_size=64, capture_policy=CapturePolicy(capture_after=1))
+        assert fast.graphed_feature_bucket_size == 64
+        features_region, region = fast.graphed_training_regions
+        for each in (features_region, region):
+            each.__class__ = EmulatedGraphRegion
+        for height, width, sizes in _FEATURE_BUCKET_BATCHES:
+            inputs, samples = _training_batch(height=height, width=width, sizes=sizes, seed=height + width)
+            expected, expected_grads = _loss_and_grads(stock, inputs, samples)
+            got, got_grads = _loss_and_grads(fast, inputs, samples)
+            assert set(got) == set(expected)
+            for key in expected:
+                torch.testing.assert_close(got[key], expected[key], rtol=1e-7, atol=1e-9, msg=key)
+            for ours, theirs in zip(got_grads, expected_grads):
+                if theirs is not None:
+                    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
+    finally:
+        torch.set_default_dtype(previous)
+    # Five batch shapes: the features region meets each once (its warm-up, then a capture of each new one); the
+    # transformer's region two buckets: the first warmed up and captured, replayed for three other batch shapes.
+    assert len(features_region.captured) == 4 and features_region.eager_calls == 1
+    assert len(region.captured) == 2 and region.replays == 4 and region.eager_calls == 1
+
+
+def test_feature_buckets_pad_each_level_to_the_bucket_with_stocks_masks():
+    from deform_plugin.integration.mmdet_fast_paths.padded_levels import bucketed_level_shape, pad_levels
+    from deform_plugin.integration.mmdet_fast_paths.sync_free_forward import level_masks_from_image_sizes
+    assert bucketed_level_shape((101, 167), (801, 1333), 128) == (112, 176)  # stride 8: 16 cells
+    assert bucketed_level_shape((13, 21), (801, 1333), 128) == (14, 22)  # stride 64: 2 cells
+    assert bucketed_level_shape((13, 21), (801, 1333), 32) == (13, 21)  # stride 64: one cell at least
+    features = [torch.randn(2, 3, 17, 23), torch.randn(2, 3, 9, 12)]
+    sizes = torch.tensor([[130, 180], [101, 75]])
+    levels = pad_levels(features, sizes, (133, 180), 64)
+    stock_masks = level_masks_from_image_sizes([f.shape[-2:] for f in features], sizes, 133, 180, torch.float32)
+    assert [tuple(f.shape[-2:]) for f in levels.features] == [(24, 24), (12, 12)]
+    for feat, padded, mask, padded_mask in zip(features, levels.features, stock_masks, levels.masks):
+        h, w = feat.shape[-2:]
+        assert torch.equal(padded[..., :h, :w], feat) and not padded[..., h:, :].any() and not padded[..., w:].any()
+        assert torch.equal(padded_mask[:, :h, :w], mask) and padded_mask[:, h:].all() and padded_mask[:, :, w:].all()
+    assert levels.unpadded_shapes.tolist() == [[17, 23], [9, 12]]
+    # The unpadded tokens, flattened level by level as the encoder takes them, in stock's order.
+    flat = torch.cat([f.flatten(2) for f in levels.features], 2)
+    assert torch.equal(flat[..., levels.token_index], torch.cat([f.flatten(2) for f in features], 2))
+
+
+def _with_fractional_offsets(model):
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "MultiScaleDeformableAttention":
+                bias = module.sampling_offsets.bias
+                bias.add_(torch.rand(bias.shape, generator=generator, dtype=torch.float64).to(bias) * 0.5 + 0.25)
+    return model
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("name", ["deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_feature_buckets_on_cuda_graphs_match_eager(name, amp):
+    eager = _with_fractional_offsets(_without_dropout(small_detector(name, dtype=torch.float32))).cuda()
+    apply_fast_paths(eager, sync_free_forward=True)
+    graphed = copy.deepcopy(eager)
+    apply_fast_paths(graphed, cuda_graphs=True, feature_bucket_size=128, capture_policy=CapturePolicy(capture_after=1))
+    features_region, region = graphed.graphed_training_regions
+    # Six batch shapes, two 128 px feature buckets.
+    shapes = [(224, 256), (232, 248), (216, 256), (224, 240), (296, 256), (304, 240)]
+    for step, (h, w) in enumerate(shapes):
+        inputs, samples = _training_batch(h, w, sizes=((h, w), (h - 40, w - 24)), seed=step, device="cuda",
+                                          dtype=torch.float32)
+        totals = []
+        for model in (eager, graphed):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+                losses = model.loss(inputs, copy.deepcopy(samples))
+            total = sum(v.sum() for v in losses.values() if isinstance(v, torch.Tensor))
+            total.backward()
+            totals.append((float(total), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        (eager_total, eager_grads), (graph_total, graph_grads) = totals
+        # In bf16 the padded GEMMs round differently from the unpadded ones (other shapes, other kernels), and an
+        # untrained detector's top-k and matching hold near-ties that such rounding flips (measured on an H200: up
+        # to 14% of the gradients' norm, losses within 2%); in fp32 the two agree to float rounding.
+        loss_tolerance, grad_tolerance = (2e-2, 0.3) if amp else (1e-4, 1e-3)
+        assert abs(graph_total - eager_total) <= loss_tolerance * abs(eager_total), (step, graph_total, eager_total)
+        assert all(bool(g.isfinite().all()) for g in graph_grads)
+        num = sum(float((g - e).norm() ** 2) for g, e in zip(graph_grads, eager_grads)) ** 0.5
+        den = sum(float(e.norm() ** 2) for e in eager_grads) ** 0.5
+        assert num <= grad_tolerance * den, (step, num / den)
+    # The first call warms up eagerly; every new shape after it is captured at its first call and replayed.
+    assert len(region.captured) == 2 and region.replays == 5 and region.eager_calls == 1
+    assert len(features_region.captured) == 5 and features_region.replays == 5
+
+
+def test_feature_bucket_size_is_checked():
+    from deform_plugin.integration.mmdet_fast_paths import FastPaths
+    with pytest.raises(ValueError, match=r"feature_bucket_size must be an int >= 0 .* got -8"):
+        FastPaths(feature_bucket_size=-8)
+    with pytest.raises(ValueError, match=r"feature_bucket_size .* got True"):
+        FastPaths(feature_bucket_size=True)
+
+
 @pytest.mark.parametrize("max_num_target", [0, 1, 3, 7, 25])
 def test_the_padded_denoising_mask_is_mmdets_for_the_real_queries(max_num_target):
     from mmdet.models.layers import CdnQueryGenerator

@@ -17,7 +17,7 @@ def test_every_switch_is_off_unless_set_and_truthy_values_count_as_on():
     assert paths.sdpa_attention is True and paths.ffn_recompute is False
     assert paths.split_graphs_at_features is False
     assert FAST_PATHS == FastPaths.switch_names() and len(FAST_PATHS) == 10
-    assert FastPaths.field_names() == FAST_PATHS + ("split_graphs_at_features",)
+    assert FastPaths.field_names() == FAST_PATHS + ("split_graphs_at_features", "feature_bucket_size")
 
 
 def test_the_implications_turn_on_what_each_switch_needs():
