@@ -92,14 +92,19 @@ class FastPathsHook(Hook):
         return CapturePolicy(capture_after=capture_after, max_graphs=self.max_graphs,
                              max_graph_memory_mb=self.max_graph_memory_mb)
 
+    @staticmethod
+    def _model_on_cuda(model) -> bool:
+        return any(parameter.is_cuda for parameter in model.parameters())
+
     def run_fast_paths(self, runner):
-        """The switches for this run: ``feature_bucket_size`` None becomes 128 px with ``cuda_graphs`` in a run
-        without :class:`ShapeBucketsHook` (its batch shapes rarely recur, the feature buckets' do), 0 (off)
-        elsewhere."""
+        """The switches for this run: ``feature_bucket_size`` None becomes 128 px with ``cuda_graphs`` for a model on
+        CUDA in a run without :class:`ShapeBucketsHook` (its batch shapes rarely recur, the feature buckets' do), 0
+        (off) elsewhere (off CUDA the regions run eagerly: padding would only add work)."""
         import dataclasses
         paths = self.fast_paths
         if paths.feature_bucket_size is None:
-            size = 128 if paths.cuda_graphs and not self._padded_to_buckets(runner) else 0
+            size = 128 if (paths.cuda_graphs and not self._padded_to_buckets(runner)
+                           and self._model_on_cuda(runner.model)) else 0
             paths = dataclasses.replace(paths, feature_bucket_size=size)
         return paths
 
@@ -108,8 +113,7 @@ class FastPathsHook(Hook):
         from deform_plugin.ops.msda import prepare_triton_in_background
         cudnn_v7_api = self.cudnn_v7_api
         if cudnn_v7_api is None:  # cuDNN matters only to a model on CUDA
-            on_cuda = any(parameter.is_cuda for parameter in runner.model.parameters())
-            cudnn_v7_api = on_cuda and not self._padded_to_buckets(runner)
+            cudnn_v7_api = self._model_on_cuda(runner.model) and not self._padded_to_buckets(runner)
         if cudnn_v7_api:
             from deform_plugin.conv_planning import prefer_cudnn_v7_api, selected_api_line
             if not prefer_cudnn_v7_api():

@@ -127,6 +127,12 @@ def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
                             (split_at_features, gradient_slots, feature_bucket_size)) or 0)
     monkeypatch.setattr(mmdet_fast_paths, "enable_sync_free_forward", lambda model: 0)
     monkeypatch.setattr(mmdet_fast_paths, "check_mirrored_mmdet_version", lambda switch: None)
+    # As for a model on CUDA (feature buckets are for graphs; off CUDA the regions run eagerly, unpadded). The hook
+    # then also selects cuDNN's v7 API in the environment: recorded, so that the test leaves it as it found it.
+    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
+    monkeypatch.setenv(CUDNN_V8_API_DISABLED, "")
+    monkeypatch.delenv(CUDNN_V8_API_DISABLED)
+    monkeypatch.setattr(FastPathsHook, "_model_on_cuda", staticmethod(lambda model: True))
 
     class SlottedWrapper(nn.Module):
         def __init__(self):
@@ -156,7 +162,9 @@ def test_graphs_split_at_the_features_only_under_ddp(monkeypatch):
     FastPathsHook(cuda_graphs=True).before_run(bucketed)
     FastPathsHook(cuda_graphs=True, feature_bucket_size=64).before_run(bucketed)
     FastPathsHook(cuda_graphs=True, feature_bucket_size=0).before_run(_FakeRunner(nn.Linear(2, 2)))
-    assert [call[2] for call in calls] == [None, 64, None]
+    monkeypatch.setattr(FastPathsHook, "_model_on_cuda", staticmethod(lambda model: False))
+    FastPathsHook(cuda_graphs=True).before_run(_FakeRunner(nn.Linear(2, 2)))
+    assert [call[2] for call in calls] == [None, 64, None, None]
     cfg = dict(custom_hooks=[dict(type="FastPathsHook", cuda_graphs=1, split_graphs_at_features=None,
                                   feature_bucket_size=96)])
     assert fast_path_switches_from_config(cfg) == dict(cuda_graphs=True, split_graphs_at_features=None,
