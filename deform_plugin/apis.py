@@ -28,7 +28,8 @@ __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_i
 def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets: Optional[InferenceBuckets] = ...,
                           cpu_threads: Optional[int] = GPU_INFERENCE_CPU_THREADS,
                           cudnn_v7_api: Optional[bool] = None) -> Dict[str, object]:
-    """Make ``model`` (an mmdet DETR-family or MaskFormer detector, in eval mode) infer at graph speed on CUDA.
+    """Make ``model`` (an mmdet DETR-family detector, Grounding-DINO included, or a MaskFormer, in eval mode) infer at
+    graph speed on CUDA.
 
     Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``), the SDPA attention
     bricks and, for DDQ-DETR, its NMS in float32 (``float32_nms``: it runs under autocast; a no-op in float32), then

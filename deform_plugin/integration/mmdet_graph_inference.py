@@ -1,4 +1,5 @@
-"""Inference with the forward of each input shape replayed from a CUDA graph (mmdet's DETR family and MaskFormer).
+"""Inference with the forward of each input shape replayed from a CUDA graph (mmdet's DETR family, Grounding-DINO
+and MaskFormer).
 
 At batch 1 the GPU work of a detector is small and the host's kernel launches set the pace. A CUDA graph replays
 the launches of a whole forward in one call. The detector's ``predict`` is split in two: the *region* (backbone,
@@ -7,7 +8,9 @@ is captured once per input shape and replayed; the *post-processing* (top-k, res
 fusion: data-dependent and cheap) runs eagerly on the replayed outputs, as mmdet runs it. DDQ-DETR selects its
 decoder's queries with NMS (a data-dependent number of boxes, read on the host): its region ends with the encoder,
 and its decoder and head run eagerly with the post-processing (under autocast on float32 NMS inputs: the
-``float32_nms`` fast path, which :func:`deform_plugin.apis.enable_fast_inference` turns on).
+``float32_nms`` fast path, which :func:`deform_plugin.apis.enable_fast_inference` turns on). Grounding-DINO's text
+side (the prompt's tokens and positive maps, BERT) runs eagerly before the region, whose inputs then include the text
+tensors; their shapes are part of a graph's signature (:mod:`.mmdet_grounding_inference`).
 
 Real photos come in many sizes, and a graph serves one shape. So each input is padded up to a bucket
 (:class:`~deform_plugin.cuda_graphs.InferenceBuckets`): the DETRs take each image's size inside the padded input as
@@ -46,6 +49,7 @@ from deform_plugin.cuda_graphs import (
 
 from .mmdet_fast_paths.graphed_inputs import image_sizes_tensor
 from .mmdet_fast_paths.graphed_training import detr_decoder, detr_encoder
+from .mmdet_grounding_inference import grounding_predict_split
 
 # The mmdet release whose MaskFormerHead.predict tail the MaskFormer post-processing below mirrors.
 from .mmdet_version import MIRRORED_MMDET_VERSION
@@ -60,7 +64,7 @@ def _detr_region(detector, batch_inputs, image_sizes):
     return detector.bbox_head(head_inputs["hidden_states"], head_inputs["references"])
 
 
-def _detr_postprocess(detector, outs, batch_data_samples, rescale):
+def _detr_postprocess(detector, outs, batch_data_samples, rescale, context=None):
     batch_img_metas = [sample.metainfo for sample in batch_data_samples]
     results_list = detector.bbox_head.predict_by_feat(*outs, batch_img_metas=batch_img_metas, rescale=rescale)
     return detector.add_pred_to_datasample(batch_data_samples, results_list)
@@ -75,7 +79,7 @@ def _encoder_region(detector, batch_inputs, image_sizes):
                 level_start_index=decoder_inputs["level_start_index"])
 
 
-def _decoder_and_postprocess(detector, outs, batch_data_samples, rescale):
+def _decoder_and_postprocess(detector, outs, batch_data_samples, rescale, context=None):
     # The replayed level tables are copies: the decoder's sync-free pieces read each once (a few integers).
     encoder_outputs = dict(memory=outs["memory"], memory_mask=outs["memory_mask"],
                            spatial_shapes=outs["spatial_shapes"])
@@ -91,7 +95,7 @@ def _maskformer_region(detector, batch_inputs, image_sizes=None):
     return detector.panoptic_head(detector.extract_feat(batch_inputs), None)
 
 
-def _maskformer_postprocess(detector, outs, batch_data_samples, rescale):
+def _maskformer_postprocess(detector, outs, batch_data_samples, rescale, context=None):
     # The tail of mmdet 3.3.0's MaskFormerHead.predict, then MaskFormer.predict's fusion.
     all_cls_scores, all_mask_preds = outs
     img_shape = batch_data_samples[0].metainfo["batch_input_shape"]
@@ -104,13 +108,19 @@ def _maskformer_postprocess(detector, outs, batch_data_samples, rescale):
 
 class _Split(NamedTuple):
     region: Callable
-    postprocess: Callable
+    postprocess: Callable  # (detector, outs, batch_data_samples, rescale, context)
     takes_image_sizes: bool
+    # (batch_data_samples, device) -> Prepared: the region's other inputs (keyword arguments after the image sizes)
+    # and the post-processing's context, made per call; None where a call must run the detector's own predict.
+    prepare: Optional[Callable] = None
 
 
 def _split_predict(detector) -> Optional[_Split]:
     """The region and post-processing of a detector whose class keeps mmdet's own ``predict``, else None."""
-    from mmdet.models.detectors import DDQDETR, DINO, DeformableDETR, DetectionTransformer, MaskFormer
+    from mmdet.models.detectors import DDQDETR, DINO, DeformableDETR, DetectionTransformer, GroundingDINO, MaskFormer
+    if isinstance(detector, GroundingDINO):
+        parts = grounding_predict_split(detector)
+        return None if parts is None else _Split(parts.region, parts.postprocess, True, parts.prepare)
     if (isinstance(detector, DeformableDETR) and type(detector).predict is DetectionTransformer.predict
             and all(getattr(type(detector), name) is getattr(DeformableDETR, name)
                     for name in ("pre_transformer", "forward_encoder", "extract_feat"))):
@@ -145,10 +155,12 @@ def throughput_buckets(detector, borrow_max_pixels: float = 1.7) -> InferenceBuc
 class _CapturedForward:
     """One input shape's graph, the static inputs it reads and the outputs it writes."""
 
-    def __init__(self, graph, static_input: torch.Tensor, static_sizes: Optional[torch.Tensor], static_outputs):
+    def __init__(self, graph, static_input: torch.Tensor, static_sizes: Optional[torch.Tensor],
+                 static_inputs: Dict[str, torch.Tensor], static_outputs):
         self.graph = graph
         self.static_input = static_input
         self.static_sizes = static_sizes
+        self.static_inputs = static_inputs  # the prepared inputs (Grounding-DINO's text tensors), by name
         self.static_outputs = static_outputs
 
 
@@ -156,7 +168,8 @@ class GraphInference:
     """A detector's ``predict`` with each input shape's forward replayed from a CUDA graph (see the module).
 
     Args:
-        detector: an mmdet ``DeformableDETR``-family detector (Deformable-DETR, DINO, ...) or ``MaskFormer``.
+        detector: an mmdet ``DeformableDETR``-family detector (Deformable-DETR, DINO, Grounding-DINO, ...) or
+            ``MaskFormer``.
         policy: when a shape earns its graph and how many are kept (default: captured at its second call, at most
             16 graphs).
         buckets: how inputs are padded so that graphs are reused (:class:`InferenceBuckets`); None: no padding, a
@@ -170,10 +183,10 @@ class GraphInference:
     def __init__(self, detector, policy: Optional[CapturePolicy] = None, buckets: Optional[InferenceBuckets] = ...):
         split = _split_predict(detector)
         if split is None:
-            raise TypeError(f"{type(detector).__name__} has no graph inference: it is not one of mmdet's DETR-family "
-                            "or MaskFormer detectors with their own predict()")
+            raise TypeError(f"{type(detector).__name__} has no graph inference: it is not one of mmdet's DETR-family, "
+                            "Grounding-DINO or MaskFormer detectors with their own predict()")
         self.detector = detector
-        self.region, self.postprocess, self.takes_image_sizes = split
+        self.region, self.postprocess, self.takes_image_sizes, self.prepare = split
         self.eager_predict = type(detector).predict.__get__(detector)
         self.buckets = InferenceBuckets() if buckets is ... else buckets
         self.graphs = GraphCache(f"{type(detector).__name__} inference", policy or DEFAULT_INFERENCE_POLICY)
@@ -190,8 +203,16 @@ class GraphInference:
         graphs_run_here = batch_inputs.device.type == self.device_type
         if self.detector.training or torch.is_grad_enabled() or (self.buckets is None and not graphs_run_here):
             return self.eager_predict(batch_inputs, batch_data_samples, rescale=rescale)
+        inputs, context = {}, None
+        if self.prepare is not None:
+            prepared = self.prepare(batch_data_samples, batch_inputs.device)
+            if prepared is None:
+                return self.eager_predict(batch_inputs, batch_data_samples, rescale=rescale)
+            inputs, context = prepared
+        # The prepared inputs' shapes are the graph's too: another prompt length is another kind, with its own graphs.
         kind = (tuple(batch_inputs.shape[:2]), batch_inputs.dtype, batch_inputs.device,
-                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+                torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"),
+                tuple((name, tuple(tensor.shape), tensor.dtype) for name, tensor in inputs.items()))
         height, width = batch_inputs.shape[-2:]
         if graphs_run_here:
             shape, capture = self._choose_shape((int(height), int(width)), kind)
@@ -205,20 +226,22 @@ class GraphInference:
         key = kind + (shape,)
         entry = self.graphs.entries.get(key)
         if entry is None and capture:
-            entry = self.graphs.capture(key, lambda: self._capture(batch_inputs, image_sizes, kind),
+            entry = self.graphs.capture(key, lambda: self._capture(batch_inputs, image_sizes, inputs, kind),
                                         batch_inputs.device, f" of input {list(batch_inputs.shape)}")
         if entry is None:
             self.graphs.note_eager_call(key)
-            outs = self.region(self.detector, batch_inputs, image_sizes)
+            outs = self.region(self.detector, batch_inputs, image_sizes, **inputs)
         else:
             entry.static_input.copy_(batch_inputs)
             if entry.static_sizes is not None:
                 entry.static_sizes.copy_(image_sizes)
+            for name, tensor in inputs.items():
+                entry.static_inputs[name].copy_(tensor)
             entry.graph.replay()
             self.graphs.replays += 1
             # Clones: the next replay overwrites the static outputs.
             outs = pytree.tree_map(torch.clone, entry.static_outputs)
-        return self.postprocess(self.detector, outs, batch_data_samples, rescale)
+        return self.postprocess(self.detector, outs, batch_data_samples, rescale, context)
 
     # -- the policy -------------------------------------------------------------------------------------------------
     def _choose_shape(self, input_shape: Tuple[int, int], kind) -> Tuple[Tuple[int, int], bool]:
@@ -270,7 +293,8 @@ class GraphInference:
         return F.pad(batch_inputs, (0, shape[1] - width, 0, shape[0] - height), value=pad_value)
 
     # -- capture ----------------------------------------------------------------------------------------------------
-    def _capture(self, batch_inputs: torch.Tensor, image_sizes: Optional[torch.Tensor], kind) -> _CapturedForward:
+    def _capture(self, batch_inputs: torch.Tensor, image_sizes: Optional[torch.Tensor],
+                 inputs: Dict[str, torch.Tensor], kind) -> _CapturedForward:
         role = tuple(batch_inputs.shape[:2]) + (batch_inputs.dtype,)
         static_input = self.shared.view_like(("input", role), batch_inputs)
         static_input.copy_(batch_inputs)
@@ -278,6 +302,10 @@ class GraphInference:
         if image_sizes is not None:
             static_sizes = self.shared.view_like(("image_sizes", role), image_sizes)
             static_sizes.copy_(image_sizes)
+        static_inputs = {}
+        for name, tensor in inputs.items():
+            static_inputs[name] = self.shared.view_like((name, role), tensor)
+            static_inputs[name].copy_(tensor)
         autocast_on, autocast_dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
         # Autocast's cache of cast weights is off while capturing: a graph that read a cached cast would read freed
         # memory once the caller's autocast region ends and drops its cache.
@@ -285,10 +313,11 @@ class GraphInference:
                 torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_on, cache_enabled=False):
             if kind not in self.warmed_on_capture_stream:
                 # Once per kind: the libraries' per-stream state (cuBLAS workspaces) exists before a capture.
-                self.region(self.detector, static_input, static_sizes)
+                self.region(self.detector, static_input, static_sizes, **static_inputs)
                 self.warmed_on_capture_stream.add(kind)
-            graph, outputs = self.capture_graph(lambda: self.region(self.detector, static_input, static_sizes))
-        return _CapturedForward(graph, static_input, static_sizes, outputs)
+            graph, outputs = self.capture_graph(
+                lambda: self.region(self.detector, static_input, static_sizes, **static_inputs))
+        return _CapturedForward(graph, static_input, static_sizes, static_inputs, outputs)
 
     def capture_graph(self, work: Callable[[], object]):
         """``(graph, outputs)``: a graph replaying the kernels ``work()`` launches, and the outputs it writes."""

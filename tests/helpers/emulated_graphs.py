@@ -1,14 +1,19 @@
-"""Graphed regions on the CPU: CUDA graphs emulated by re-running the captured work, and a small region to run.
+"""Graphed regions and graph inference on the CPU: CUDA graphs emulated by re-running the captured work, and a small
+region to run.
 
 :class:`EmulatedGraphRegion` is :class:`GraphedRegion` with its capture replaced, so that its replay machinery
 (static buffers shared by signatures, the autograd function, gradient copies, fallbacks) runs without a GPU.
 :class:`SmallNet`, :func:`small_region` and :func:`forward_backward` give it a few linear layers to capture.
+:class:`EmulatedGraphInference` does the same for :class:`GraphInference` (static inputs and outputs, signatures,
+the policy).
 """
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from deform_plugin.cuda_graphs import CapturePolicy
 from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedRegion
+from deform_plugin.integration.mmdet_graph_inference import GraphInference
 
 
 class ReRunGraph:
@@ -62,3 +67,24 @@ def forward_backward(call, x, scale, grad_seed):
     upstream = torch.randn(outputs["out"].shape, generator=generator, dtype=outputs["out"].dtype)
     (outputs["out"] * upstream).sum().backward()
     return outputs, constants
+
+
+class _ReRunInferenceGraph:
+    """Replaying re-runs the captured forward on the static inputs and writes its outputs where the capture's are."""
+
+    def __init__(self, work, outputs):
+        self.work, self.outputs = work, outputs
+
+    def replay(self):
+        for static, fresh in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(self.work())):
+            static.copy_(fresh)
+
+
+class EmulatedGraphInference(GraphInference):
+    """Graphs that re-run the captured work on the CPU and write its outputs where the capture's are."""
+
+    device_type = "cpu"
+
+    def capture_graph(self, work):
+        outputs = work()
+        return _ReRunInferenceGraph(work, outputs), outputs

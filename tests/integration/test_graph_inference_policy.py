@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import stock_worker
 import torch
-import torch.utils._pytree as pytree
+from emulated_graphs import EmulatedGraphInference
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
 from deform_plugin.cuda_graphs import CapturePolicy, InferenceBuckets
@@ -15,25 +15,6 @@ from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 from deform_plugin.integration.mmdet_graph_inference import GraphInference
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class _ReRunGraph:
-    def __init__(self, work, outputs):
-        self.work, self.outputs = work, outputs
-
-    def replay(self):
-        for static, fresh in zip(pytree.tree_leaves(self.outputs), pytree.tree_leaves(self.work())):
-            static.copy_(fresh)
-
-
-class EmulatedGraphInference(GraphInference):
-    """Graphs that re-run the captured work on the CPU and write its outputs where the capture's are."""
-
-    device_type = "cpu"
-
-    def capture_graph(self, work):
-        outputs = work()
-        return _ReRunGraph(work, outputs), outputs
 
 
 @pytest.fixture(scope="module")

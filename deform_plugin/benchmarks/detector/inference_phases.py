@@ -79,17 +79,21 @@ def _phase_timers(model, clock: _PhaseClock) -> Iterator[None]:
 
 
 def time_phases(model, images: Sequence[np.ndarray]) -> Dict[str, float]:
-    """Mean milliseconds per image of each phase (:data:`PHASES`) and of the whole call, over ``images``."""
+    """Mean milliseconds per image of each phase (:data:`PHASES`) and of the whole call, over ``images`` (a grounding
+    detector prompted as the timed loop prompts it)."""
     from mmdet.apis import inference_detector
+
+    from .inference_loop import caption_prompt
     if not images:
         raise ValueError("time_phases needs at least one image")
+    prompt = caption_prompt(model)
     clock = _PhaseClock(next(model.parameters()).device)
     totals: List[float] = []
     with _phase_timers(model, clock):
         for image in images:
             clock.sync()
             started = time.perf_counter()
-            inference_detector(model, image)
+            inference_detector(model, image, **prompt)
             clock.sync()
             totals.append(time.perf_counter() - started)
     seconds = dict(clock.seconds)
