@@ -25,6 +25,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from deform_plugin.benchmarks.detector.inference_phases import caption_prompt, time_phases
+
 # The 16 commonest (height, width) of COCO val2017, most frequent first.
 COCO_COMMON_SIZES = ((480, 640), (427, 640), (640, 480), (425, 640), (424, 640), (640, 427), (426, 640), (428, 640),
                      (612, 612), (375, 500), (640, 640), (500, 375), (512, 640), (333, 500), (360, 640), (640, 424))
@@ -152,16 +154,6 @@ def _profile_tables(profiler, cuda: bool, images: Tuple[int, int]) -> str:
     return text if by_device is None else f"{text}\nby self device time:\n{by_device}"
 
 
-def caption_prompt(model) -> dict:
-    """``inference_detector``'s text arguments for a grounding detector (one with a language model): its classes as
-    the caption, each one entity, as ``CocoDataset(return_classes=True)`` prompts in training and evaluation
-    (``custom_entities`` also keeps mmdet from parsing the caption with NLTK, whose data it would download); {} for
-    other detectors."""
-    if getattr(model, "language_model", None) is None:
-        return {}
-    return dict(text_prompt=" . ".join(model.dataset_meta["classes"]), custom_entities=True)
-
-
 def build_row_model(spec: dict):
     """The row's detector (``palette='coco'``: mmdet's init_detector would otherwise build the config's dataset to
     read its palette): stock mmdet (``row == 'stock'``: the config's deform_plugin import dropped, mmcv's own op),
@@ -216,7 +208,6 @@ def child_main(argv: Sequence[str]) -> int:
                             profile)
     if spec.get("phase_images"):
         # After the timed loop, on images whose sizes it has seen: the steady state's phases.
-        from deform_plugin.benchmarks.detector.inference_phases import time_phases
         with _autocast(model, spec.get("amp_dtype")):
             result["phases_ms"] = time_phases(model, images[-spec["phase_images"]:])
     if spec["row"] == "stock":

@@ -78,12 +78,21 @@ def _phase_timers(model, clock: _PhaseClock) -> Iterator[None]:
                 setattr(obj, attr, value)
 
 
+def caption_prompt(model) -> dict:
+    """``inference_detector``'s text arguments for a grounding detector (one with a language model): its classes as
+    the caption, each one entity, as ``CocoDataset(return_classes=True)`` prompts in training and evaluation
+    (``custom_entities`` also keeps mmdet from parsing the caption with NLTK, whose data it would download); {} for
+    other detectors."""
+    if getattr(model, "language_model", None) is None:
+        return {}
+    return dict(text_prompt=" . ".join(model.dataset_meta["classes"]), custom_entities=True)
+
+
 def time_phases(model, images: Sequence[np.ndarray]) -> Dict[str, float]:
     """Mean milliseconds per image of each phase (:data:`PHASES`) and of the whole call, over ``images`` (a grounding
     detector prompted as the timed loop prompts it)."""
     from mmdet.apis import inference_detector
 
-    from .inference_loop import caption_prompt
     if not images:
         raise ValueError("time_phases needs at least one image")
     prompt = caption_prompt(model)
