@@ -20,6 +20,7 @@ from .cpu_threads import GPU_INFERENCE_CPU_THREADS, cap_threads_for_gpu_inferenc
 from .cuda_graphs import CapturePolicy, InferenceBuckets
 from .integration.mmdet_fast_paths import apply_fast_paths
 from .integration.mmdet_fast_paths.ddq_nms import has_ddq_nms
+from .integration.mmdet_feature_bucket_inference import enable_feature_bucket_inference, supports_feature_buckets
 from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
 
 __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference", "throughput_buckets"]
@@ -27,7 +28,8 @@ __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_i
 
 def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets: Optional[InferenceBuckets] = ...,
                           cpu_threads: Optional[int] = GPU_INFERENCE_CPU_THREADS,
-                          cudnn_v7_api: Optional[bool] = None) -> Dict[str, object]:
+                          cudnn_v7_api: Optional[bool] = None, feature_buckets: Optional[int] = None
+                          ) -> Dict[str, object]:
     """Make ``model`` (an mmdet DETR-family detector, Grounding-DINO included, or a MaskFormer, in eval mode) infer at
     graph speed on CUDA.
 
@@ -51,18 +53,32 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     ``init_detector``; a ``TORCH_CUDNN_V8_API_DISABLED`` the user set wins. False keeps PyTorch's choice (for a
     stream of one input size).
 
+    ``feature_buckets`` (pixels; Deformable-DETR and DINO): instead of padding the image, run the backbone and neck
+    at the input's own size (from a graph once the size recurs) and pad the feature maps to buckets of this many
+    pixels before the transformer's graphs (:mod:`deform_plugin.integration.mmdet_feature_bucket_inference`): the
+    detections are the unpadded input's, and sizes that never repeat still replay the transformer. Other detectors
+    keep ``buckets``. None (the default): image buckets for every detector.
+
     Returns what changed; its ``'graph_inference'`` entry's ``stats()`` reports graphs, replays, eager calls and
     the graphs' memory, ``'cpu_threads'`` the thread count set (absent where none was) and ``'cudnn_v7_api'``
     whether the v7 API is selected (absent where this call left it alone).
     """
     check_thread_limit(cpu_threads)
+    if feature_buckets is not None and (isinstance(feature_buckets, bool) or not isinstance(feature_buckets, int)
+                                        or feature_buckets < 1):
+        raise ValueError(f"enable_fast_inference: feature_buckets must be an int >= 1 (pixels) or None, got "
+                         f"{feature_buckets!r}")
     if cudnn_v7_api not in (None, True, False):
         raise ValueError(f"enable_fast_inference: cudnn_v7_api must be None, True or False, got {cudnn_v7_api!r}")
     model.eval()
     # float32_nms only where there is a DDQ-DETR NMS to change: elsewhere it would log that it changes nothing.
     changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True,
                                                        float32_nms=has_ddq_nms(model)))
-    changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
+    if feature_buckets is not None and supports_feature_buckets(model):
+        changed["graph_inference"] = enable_feature_bucket_inference(model, policy=policy,
+                                                                     feature_bucket_size=feature_buckets)
+    else:
+        changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
     on_gpu = any(parameter.is_cuda for parameter in model.parameters())
     from mmengine.logging import print_log
     if cudnn_v7_api or (cudnn_v7_api is None and on_gpu):

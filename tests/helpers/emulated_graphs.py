@@ -69,7 +69,7 @@ def forward_backward(call, x, scale, grad_seed):
     return outputs, constants
 
 
-class _ReRunInferenceGraph:
+class ReRunInferenceGraph:
     """Replaying re-runs the captured forward on the static inputs and writes its outputs where the capture's are."""
 
     def __init__(self, work, outputs):
@@ -87,4 +87,4 @@ class EmulatedGraphInference(GraphInference):
 
     def capture_graph(self, work):
         outputs = work()
-        return _ReRunInferenceGraph(work, outputs), outputs
+        return ReRunInferenceGraph(work, outputs), outputs

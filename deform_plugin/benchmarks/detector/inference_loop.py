@@ -158,8 +158,8 @@ def build_row_model(spec: dict):
     """The row's detector (``palette='coco'``: mmdet's init_detector would otherwise build the config's dataset to
     read its palette): stock mmdet (``row == 'stock'``: the config's deform_plugin import dropped, mmcv's own op),
     or ours with the plugin alone (``'eager'``) or with ``enable_fast_inference`` (``'graph'``: its default
-    buckets; ``'graph-canvas'``: ``throughput_buckets``; ``'graph-exact'``: without buckets), with the policy and
-    bucket settings of ``spec``."""
+    buckets; ``'graph-canvas'``: ``throughput_buckets``; ``'graph-exact'``: without buckets; ``'graph-features'``:
+    128 px feature buckets for Deformable-DETR and DINO), with the policy and bucket settings of ``spec``."""
     row, device = spec["row"], spec["device"]
     if row == "stock":
         from deform_plugin.benchmarks.detector.stock_train import prepare_mmcv
@@ -177,15 +177,17 @@ def build_row_model(spec: dict):
     model = init_detector(spec["config"], spec["weights"], device=device, palette="coco")
     if row == "eager":
         return model, {}
-    if row not in ("graph", "graph-canvas", "graph-exact"):
-        raise ValueError(f"unknown row {row!r}; choose from stock, eager, graph, graph-canvas, graph-exact")
+    if row not in ("graph", "graph-canvas", "graph-exact", "graph-features"):
+        raise ValueError(f"unknown row {row!r}; choose from stock, eager, graph, graph-canvas, graph-exact, "
+                         "graph-features")
     from deform_plugin.apis import CapturePolicy, InferenceBuckets, enable_fast_inference, throughput_buckets
     policy = CapturePolicy(**spec.get("policy", {}))
     buckets = None
     if row != "graph-exact":
         buckets = throughput_buckets(model) if row == "graph-canvas" else InferenceBuckets()
         buckets = InferenceBuckets(**dict(vars(buckets), **spec.get("buckets", {})))
-    changed = enable_fast_inference(model, policy=policy, buckets=buckets)
+    changed = enable_fast_inference(model, policy=policy, buckets=buckets,
+                                    feature_buckets=128 if row == "graph-features" else None)
     return model, changed
 
 

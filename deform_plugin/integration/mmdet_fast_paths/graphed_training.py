@@ -42,8 +42,9 @@ from deform_plugin.cuda_graphs import CapturePolicy
 from .graphed_inputs import (GraphedLoss, cached_denoising_mask, denoising_queries, image_sizes_tensor,
                              padded_denoising_count)
 from .graphed_region import GraphedRegion
-from .padded_levels import (added_tokens, dino_forward_decoder, pad_levels, pads_deformable_detr_decoder,
-                            pads_dino_decoder, two_stage_pre_decoder, unpadded_token_outputs, unpadded_valid_ratios)
+from .padded_levels import (added_tokens, dino_forward_decoder, dino_topk_proposals, pad_levels,
+                            pads_deformable_detr_decoder, pads_dino_decoder, two_stage_pre_decoder,
+                            unpadded_token_outputs, unpadded_valid_ratios)
 from .sync_free_forward import (deformable_detr_pre_transformer_from_image_sizes,
                                 deformable_detr_pre_transformer_from_level_masks)
 
@@ -216,21 +217,12 @@ def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
     def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask, features=None, levels=None):
         level_masks, unpadded_shapes = (None, None) if levels is None else levels
         encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features, level_masks)
-        # mmdet 3.3.0's DINO.pre_decoder in training, with the denoising queries given.
+        # mmdet 3.3.0's DINO.pre_decoder in training, with the denoising queries given; the tokens added by the
+        # padding stay out of the top-k.
         memory = encoder_outputs["memory"]
-        num_layers = detector.decoder.num_layers
-        output_memory, output_proposals = detector.gen_encoder_output_proposals(
-            memory, encoder_outputs["memory_mask"], encoder_outputs["spatial_shapes"])
-        enc_outputs_class = head.cls_branches[num_layers](output_memory)
-        enc_outputs_coord_unact = head.reg_branches[num_layers](output_memory) + output_proposals
-        scores = enc_outputs_class.max(-1)[0]
-        if levels is not None:  # the tokens added by the padding stay out of the top-k
-            scores = scores.masked_fill(added_tokens(encoder_outputs["spatial_shapes"], unpadded_shapes),
-                                        float("-inf"))
-        topk_indices = torch.topk(scores, k=detector.num_queries, dim=1)[1]
-        topk_score = torch.gather(enc_outputs_class, 1,
-                                  topk_indices.unsqueeze(-1).repeat(1, 1, enc_outputs_class.shape[-1]))
-        topk_coords_unact = torch.gather(enc_outputs_coord_unact, 1, topk_indices.unsqueeze(-1).repeat(1, 1, 4))
+        excluded = None if levels is None else added_tokens(encoder_outputs["spatial_shapes"], unpadded_shapes)
+        topk_score, topk_coords_unact = dino_topk_proposals(detector, memory, encoder_outputs["memory_mask"],
+                                                            encoder_outputs["spatial_shapes"], excluded)
         topk_coords = topk_coords_unact.sigmoid()
         query = detector.query_embedding.weight[:, None, :].repeat(1, memory.shape[0], 1).transpose(0, 1)
         query = torch.cat([dn_label_query, query], dim=1)

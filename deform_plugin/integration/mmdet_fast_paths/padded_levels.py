@@ -142,6 +142,24 @@ def two_stage_pre_decoder(detector, memory, memory_mask, spatial_shapes, exclude
     return decoder_inputs, dict(enc_outputs_class=enc_outputs_class, enc_outputs_coord=enc_outputs_coord)
 
 
+def dino_topk_proposals(detector, memory, memory_mask, spatial_shapes, excluded_tokens=None):
+    """mmdet 3.3.0's ``DINO.pre_decoder`` up to its top-k: the selected proposals' class scores and unactivated
+    boxes, with ``excluded_tokens`` (where given) left out of the top-k."""
+    head = detector.bbox_head
+    num_layers = detector.decoder.num_layers
+    output_memory, output_proposals = detector.gen_encoder_output_proposals(memory, memory_mask, spatial_shapes)
+    enc_outputs_class = head.cls_branches[num_layers](output_memory)
+    enc_outputs_coord_unact = head.reg_branches[num_layers](output_memory) + output_proposals
+    scores = enc_outputs_class.max(-1)[0]
+    if excluded_tokens is not None:
+        scores = scores.masked_fill(excluded_tokens, float("-inf"))
+    topk_indices = torch.topk(scores, k=detector.num_queries, dim=1)[1]
+    topk_score = torch.gather(enc_outputs_class, 1,
+                              topk_indices.unsqueeze(-1).repeat(1, 1, enc_outputs_class.shape[-1]))
+    topk_coords_unact = torch.gather(enc_outputs_coord_unact, 1, topk_indices.unsqueeze(-1).repeat(1, 1, 4))
+    return topk_score, topk_coords_unact
+
+
 def dino_forward_decoder(detector, query, memory, memory_mask, reference_points, spatial_shapes, level_start_index,
                          valid_ratios, dn_mask, query_position_ratios):
     """mmdet 3.3.0's ``DINO.forward_decoder`` and ``DinoTransformerDecoder.forward`` with each layer's query
