@@ -8,7 +8,7 @@ Example::
 
     model = init_detector('configs/dino/dino-4scale_r50_8xb2-12e_coco_deform-plugin.py', 'dino.pth', device='cuda')
     enable_fast_inference(model)
-    result = inference_detector(model, 'demo.jpg')   # images of any size: padded to buckets, graphs reused
+    result = inference_detector(model, 'demo.jpg')   # images of any size: graphs reused through buckets
 
 The same works on ``DetInferencer(...).model``.
 """
@@ -20,7 +20,8 @@ from .cpu_threads import GPU_INFERENCE_CPU_THREADS, cap_threads_for_gpu_inferenc
 from .cuda_graphs import CapturePolicy, InferenceBuckets
 from .integration.mmdet_fast_paths import apply_fast_paths
 from .integration.mmdet_fast_paths.ddq_nms import has_ddq_nms
-from .integration.mmdet_feature_bucket_inference import enable_feature_bucket_inference, supports_feature_buckets
+from .integration.mmdet_feature_bucket_inference import (DEFAULT_FEATURE_BUCKET_SIZE, enable_feature_bucket_inference,
+                                                         supports_feature_buckets)
 from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
 
 __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference", "throughput_buckets"]
@@ -28,7 +29,7 @@ __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_i
 
 def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets: Optional[InferenceBuckets] = ...,
                           cpu_threads: Optional[int] = GPU_INFERENCE_CPU_THREADS,
-                          cudnn_v7_api: Optional[bool] = None, feature_buckets: Optional[int] = None
+                          cudnn_v7_api: Optional[bool] = None, feature_buckets: Optional[int] = ...
                           ) -> Dict[str, object]:
     """Make ``model`` (an mmdet DETR-family detector, Grounding-DINO included, or a MaskFormer, in eval mode) infer at
     graph speed on CUDA.
@@ -39,7 +40,8 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     ``buckets`` (default: 32 px steps, borrowing a captured shape of at most 15% more pixels; None: no padding;
     :func:`throughput_buckets` for sizes that rarely repeat, with more padding), a shape is captured once it
     recurs, and shapes beyond the ``policy``'s caps run eagerly (default: captured at the second call, at most 16
-    graphs). On a CPU the model runs as before.
+    graphs). On a CPU the model runs as before. Deformable-DETR and DINO pad their feature maps instead of the
+    image by default (``feature_buckets``).
 
     For a model on the GPU, torch's CPU threads are lowered to ``cpu_threads`` (default 4; None keeps them;
     ``OMP_NUM_THREADS``, where set, wins): with one thread per core, torch's idle OpenMP workers spin on the cores
@@ -57,13 +59,16 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     at the input's own size (from a graph once the size recurs) and pad the feature maps to buckets of this many
     pixels before the transformer's graphs (:mod:`deform_plugin.integration.mmdet_feature_bucket_inference`): the
     detections are the unpadded input's, and sizes that never repeat still replay the transformer. Other detectors
-    keep ``buckets``. None (the default): image buckets for every detector.
+    keep ``buckets``. Default: 128 where ``buckets`` is left at its default, else None (``buckets`` for every
+    detector); None: image buckets for every detector.
 
     Returns what changed; its ``'graph_inference'`` entry's ``stats()`` reports graphs, replays, eager calls and
     the graphs' memory, ``'cpu_threads'`` the thread count set (absent where none was) and ``'cudnn_v7_api'``
     whether the v7 API is selected (absent where this call left it alone).
     """
     check_thread_limit(cpu_threads)
+    if feature_buckets is ...:
+        feature_buckets = DEFAULT_FEATURE_BUCKET_SIZE if buckets is ... else None
     if feature_buckets is not None and (isinstance(feature_buckets, bool) or not isinstance(feature_buckets, int)
                                         or feature_buckets < 1):
         raise ValueError(f"enable_fast_inference: feature_buckets must be an int >= 1 (pixels) or None, got "

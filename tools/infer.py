@@ -10,11 +10,13 @@ keeping each image's path relative to the folder the inputs share (``a/x.jpg`` a
 each other). A file that is not a readable image (truncated, not an image at all) is skipped with a warning and
 counted; grayscale and 16-bit images are converted as mmdet's image loading converts them. Class names come from
 the checkpoint, else from the config's dataset. On CUDA the detector runs through
-``deform_plugin.apis.enable_fast_inference``: each image is padded to a bucket (32 px steps), and a bucket's forward
-is replayed from a CUDA graph once it recurs; a size seen once runs eagerly, never paying a capture. ``--canvas``
-pads an image whose bucket has no graph into the test pipeline's largest size (for sizes that rarely repeat; more
-padding); ``--no-buckets`` keeps mmdet's padding (a graph per exact size); ``--eager`` runs mmdet's plain inference
-instead, for comparison. Graph runs select cuDNN's v7 convolution API, whose planning at each new input size is far
+``deform_plugin.apis.enable_fast_inference``: Deformable-DETR and DINO run their backbone at each image's own size
+(replayed from a graph once the size recurs) and pad the feature maps to 128 px buckets before the transformer,
+whose graphs serve every size of a bucket (the detections are the unpadded image's); other detectors pad each image
+to a bucket (32 px steps), whose forward is replayed from a CUDA graph once it recurs; a size seen once runs
+eagerly, never paying a capture. ``--canvas`` pads an image whose bucket has no graph into the test pipeline's
+largest size (for sizes that rarely repeat; more padding); ``--no-buckets`` keeps mmdet's padding (a graph per exact
+size); both pad images for every detector. ``--eager`` runs mmdet's plain inference instead, for comparison. Graph runs select cuDNN's v7 convolution API, whose planning at each new input size is far
 cheaper, for replays about 1 ms slower (``deform_plugin/conv_planning.py`` has both figures); ``--cudnn-api v8``
 keeps PyTorch's default v8 API (for folders of one image size), ``--cudnn-api v7`` selects v7 for ``--eager`` too.
 """

@@ -28,13 +28,17 @@ class FastInferenceHook(Hook):
         capture_after (int): a bucket is captured at its ``capture_after``-th call.
         max_graphs (int): graphs kept at most; later new shapes run eagerly or borrow a larger graph.
         max_graph_memory_mb (float, optional): the device memory the captures may add, MiB.
+        feature_buckets (int, optional): Deformable-DETR and DINO pad their feature maps instead of the image, to
+            buckets of this many pixels (exact detections; see ``enable_fast_inference``); default 128, None: they
+            pad the image as the others do.
     """
 
     priority = "LOW"
 
     def __init__(self, size_divisor: int = 32, buckets: bool = True,
                  canvases: Union[None, str, Sequence[Sequence[int]]] = None, borrow_max_pixels: float = 1.15,
-                 capture_after: int = 2, max_graphs: int = 16, max_graph_memory_mb: Optional[float] = None):
+                 capture_after: int = 2, max_graphs: int = 16, max_graph_memory_mb: Optional[float] = None,
+                 feature_buckets: Optional[int] = 128):
         from deform_plugin.cuda_graphs import CapturePolicy, InferenceBuckets
         self.policy = CapturePolicy(capture_after=capture_after, max_graphs=max_graphs,
                                     max_graph_memory_mb=max_graph_memory_mb)
@@ -46,6 +50,11 @@ class FastInferenceHook(Hook):
         self.canvases = canvases if canvases is None or isinstance(canvases, str) else tuple(
             tuple(canvas) for canvas in canvases)
         self.borrow_max_pixels = borrow_max_pixels
+        if feature_buckets is not None and (isinstance(feature_buckets, bool) or not isinstance(feature_buckets, int)
+                                            or feature_buckets < 1):
+            raise ValueError(f"FastInferenceHook: feature_buckets must be an int >= 1 (pixels) or None, got "
+                             f"{feature_buckets!r}")
+        self.feature_buckets = feature_buckets
         # Bad values fail when the config is built.
         InferenceBuckets(size_divisor=size_divisor, borrow_max_pixels=borrow_max_pixels,
                          canvases=self.canvases if isinstance(self.canvases, tuple) else ())
@@ -69,7 +78,8 @@ class FastInferenceHook(Hook):
         model = getattr(runner.model, "module", runner.model)
         training = model.training
         try:
-            changed = enable_fast_inference(model, policy=self.policy, buckets=self._buckets(runner))
+            changed = enable_fast_inference(model, policy=self.policy, buckets=self._buckets(runner),
+                                            feature_buckets=self.feature_buckets)
         except TypeError as error:  # a detector without graph inference: evaluated as it is
             print_log(f"FastInferenceHook: {error}; evaluating with mmdet's own predict", logger="current")
             self.graph_inference = False

@@ -1,4 +1,5 @@
 """FastInferenceHook: validation and testing through graph inference, with the test pipeline's canvases."""
+import copy
 import types
 from pathlib import Path
 
@@ -30,7 +31,7 @@ def demo_model():
 
 def test_the_hook_gives_the_model_graph_inference_with_the_pipelines_canvases(demo_model):
     pipeline = [dict(type="LoadImageFromFile"), dict(type="Resize", scale=(1333, 800), keep_ratio=True)]
-    hook = FastInferenceHook(size_divisor=64, max_graphs=3, canvases="auto")
+    hook = FastInferenceHook(size_divisor=64, max_graphs=3, canvases="auto", feature_buckets=None)
     demo_model.train()
     hook.before_test(_runner(demo_model, pipeline))
     graph_inference = hook.graph_inference
@@ -41,15 +42,22 @@ def test_the_hook_gives_the_model_graph_inference_with_the_pipelines_canvases(de
     assert hook.graph_inference is graph_inference  # enabled once
 
 
-def test_by_default_inputs_are_padded_to_32_px_buckets_without_canvases(demo_model):
+def test_by_default_the_detrs_pad_feature_maps_the_others_images_to_32_px_buckets(demo_model):
+    from deform_plugin.integration.mmdet_feature_bucket_inference import FeatureBucketInference
     hook = FastInferenceHook()
+    hook.before_val(_runner(copy.deepcopy(demo_model), [dict(type="Resize", scale=(1333, 800), keep_ratio=True)]))
+    assert isinstance(hook.graph_inference, FeatureBucketInference)
+    assert hook.graph_inference.feature_bucket_size == 128
+    hook = FastInferenceHook(feature_buckets=None)
     hook.before_val(_runner(demo_model, [dict(type="Resize", scale=(1333, 800), keep_ratio=True)]))
     buckets = hook.graph_inference.buckets
     assert (buckets.size_divisor, buckets.canvases, buckets.borrow_max_pixels) == (32, (), 1.15)
+    with pytest.raises(ValueError, match="feature_buckets must be an int >= 1 .* got 0"):
+        FastInferenceHook(feature_buckets=0)
 
 
 def test_without_buckets_the_inputs_keep_their_shapes(demo_model):
-    hook = FastInferenceHook(buckets=False)
+    hook = FastInferenceHook(buckets=False, feature_buckets=None)
     hook.before_val(_runner(demo_model, []))
     assert hook.graph_inference.buckets is None
 

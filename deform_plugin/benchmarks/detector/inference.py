@@ -4,10 +4,11 @@ Rows (each in a process of its own, the same random weights and images):
 
     stock:fp32        mmdet + mmcv as installed (needs mmcv's compiled ops on a GPU)
     eager:fp32|bf16   ours, the plugin alone (mmdet's own predict)
-    graph:fp32|bf16   ours with ``deform_plugin.apis.enable_fast_inference`` (its default buckets and policy)
-    graph-canvas:...  the same with ``throughput_buckets`` (the test pipeline's canvases: more padding)
-    graph-exact:...   the same without buckets (a graph per exact input shape)
-    graph-features:.. Deformable-DETR and DINO with 128 px feature buckets (the images unpadded: exact detections)
+    graph:fp32|bf16   ours with ``deform_plugin.apis.enable_fast_inference`` (its default buckets and policy:
+                      128 px feature buckets for Deformable-DETR and DINO, 32 px image buckets for the others)
+    graph-image:...   the same with 32 px image buckets for every detector
+    graph-canvas:...  image buckets with ``throughput_buckets`` (the test pipeline's canvases: more padding)
+    graph-exact:...   without buckets (a graph per exact input shape)
 
 For each config and size distribution the report gives ms per image after the warm-up images and over all images
 (the first included), the ratio to the first row (stock), what the graphs did (captures, replays, eager calls,
@@ -41,7 +42,7 @@ from deform_plugin.benchmarks.stock_process import stock_command
 
 LOOP_SCRIPT = Path(__file__).with_name("inference_loop.py")
 LOOP_MODULE = "deform_plugin.benchmarks.detector.inference_loop"
-ROW_KINDS = ("stock", "eager", "graph", "graph-canvas", "graph-exact", "graph-features")
+ROW_KINDS = ("stock", "eager", "graph", "graph-image", "graph-canvas", "graph-exact")
 MODES = {"fp32": None, "bf16": "bfloat16", "fp16": "float16"}
 DEFAULT_ROWS = ("stock:fp32", "eager:fp32", "graph:fp32", "eager:bf16", "graph:bf16")
 

@@ -158,8 +158,9 @@ def build_row_model(spec: dict):
     """The row's detector (``palette='coco'``: mmdet's init_detector would otherwise build the config's dataset to
     read its palette): stock mmdet (``row == 'stock'``: the config's deform_plugin import dropped, mmcv's own op),
     or ours with the plugin alone (``'eager'``) or with ``enable_fast_inference`` (``'graph'``: its default
-    buckets; ``'graph-canvas'``: ``throughput_buckets``; ``'graph-exact'``: without buckets; ``'graph-features'``:
-    128 px feature buckets for Deformable-DETR and DINO), with the policy and bucket settings of ``spec``."""
+    buckets: feature buckets for Deformable-DETR and DINO; ``'graph-image'``: 32 px image buckets for every
+    detector; ``'graph-canvas'``: ``throughput_buckets``; ``'graph-exact'``: without buckets), with the policy and
+    bucket settings of ``spec``."""
     row, device = spec["row"], spec["device"]
     if row == "stock":
         from deform_plugin.benchmarks.detector.stock_train import prepare_mmcv
@@ -177,17 +178,19 @@ def build_row_model(spec: dict):
     model = init_detector(spec["config"], spec["weights"], device=device, palette="coco")
     if row == "eager":
         return model, {}
-    if row not in ("graph", "graph-canvas", "graph-exact", "graph-features"):
-        raise ValueError(f"unknown row {row!r}; choose from stock, eager, graph, graph-canvas, graph-exact, "
-                         "graph-features")
+    if row not in ("graph", "graph-image", "graph-canvas", "graph-exact"):
+        raise ValueError(f"unknown row {row!r}; choose from stock, eager, graph, graph-image, graph-canvas, "
+                         "graph-exact")
     from deform_plugin.apis import CapturePolicy, InferenceBuckets, enable_fast_inference, throughput_buckets
+    from deform_plugin.integration.mmdet_feature_bucket_inference import DEFAULT_FEATURE_BUCKET_SIZE
     policy = CapturePolicy(**spec.get("policy", {}))
     buckets = None
     if row != "graph-exact":
         buckets = throughput_buckets(model) if row == "graph-canvas" else InferenceBuckets()
         buckets = InferenceBuckets(**dict(vars(buckets), **spec.get("buckets", {})))
+    # 'graph': enable_fast_inference's default, feature buckets for the DETRs (the image buckets for the others).
     changed = enable_fast_inference(model, policy=policy, buckets=buckets,
-                                    feature_buckets=128 if row == "graph-features" else None)
+                                    feature_buckets=DEFAULT_FEATURE_BUCKET_SIZE if row == "graph" else None)
     return model, changed
 
 
