@@ -101,7 +101,8 @@ class FeatureBucketInference(GraphInference):
         self.feature_graphs = GraphCache(f"{name} inference backbone and neck", self.graphs.policy)
 
     def predict(self, batch_inputs: torch.Tensor, batch_data_samples, rescale: bool = True):
-        if self.detector.training or torch.is_grad_enabled():
+        if self.detector.training or torch.is_grad_enabled() or batch_inputs.device.type != self.device_type:
+            # Off the graphs' device nothing is replayed, and the padded path would give the same detections.
             return self.eager_predict(batch_inputs, batch_data_samples, rescale=rescale)
         detector = self.detector
         kind = (tuple(batch_inputs.shape[:2]), batch_inputs.dtype, batch_inputs.device,
@@ -125,8 +126,7 @@ class FeatureBucketInference(GraphInference):
         eagerly."""
         key = kind + (shape,)
         entry = cache.entries.get(key)
-        graphs_run_here = inputs[0].device.type == self.device_type
-        if entry is None and graphs_run_here and cache.earns_capture(key, kind, capture_after=capture_after):
+        if entry is None and cache.earns_capture(key, kind, capture_after=capture_after):
             entry = cache.capture(key, lambda: self._capture(cache, role, kind, fn, inputs), inputs[0].device,
                                   f" of {role} {list(shape)}")
         if entry is None:
