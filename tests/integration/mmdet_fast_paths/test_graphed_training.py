@@ -155,15 +155,16 @@ def _check_replays_against_stock(name, dtype, split):
         assert (each.eager_calls, each.replays, len(each.captured), each.first_call_captures) == expected_counts
 
 
-# Batches of four padded shapes whose feature maps (strides 8-64) fall into one 64 px feature bucket, then one into
-# another; each batch has a padded image, and in the last two the first image fills the batch (stock has no padding
-# token for it: the bucket's added tokens must stay out of its top-k).
+# Batches of three padded shapes whose feature maps (strides 8-64) fall into one 64 px feature bucket, then one into
+# another; each batch has a padded image, and in all but the second the first image fills the batch (stock has no
+# padding token for it: the bucket's added tokens must stay out of its top-k). Plain Deformable-DETR's transformer
+# differs from two-stage's in its pre-decoder only, which reads no token: its feature buckets are tested in
+# inference (test_mmdet_feature_bucket_inference.py).
 _FEATURE_BUCKET_BATCHES = [(128, 160, ((128, 160), (112, 136))), (120, 152, ((96, 152), (120, 80))),
-                           (128, 136, ((128, 136), (128, 120))), (104, 160, ((104, 160), (84, 124))),
-                           (136, 160, ((136, 160), (100, 150)))]
+                           (104, 160, ((104, 160), (84, 124))), (136, 160, ((136, 160), (100, 150)))]
 
 
-@pytest.mark.parametrize("name", ["deformable-detr", "deformable-detr-two-stage", "dino"])
+@pytest.mark.parametrize("name", ["deformable-detr-two-stage", "dino"])
 def test_feature_buckets_give_the_unpadded_losses_and_gradients(name):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -192,10 +193,10 @@ def test_feature_buckets_give_the_unpadded_losses_and_gradients(name):
                     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
     finally:
         torch.set_default_dtype(previous)
-    # Five batch shapes: the features region meets each once (its warm-up, then a capture of each new one); the
-    # transformer's region two buckets: the first warmed up and captured, replayed for three other batch shapes.
-    assert len(features_region.captured) == 4 and features_region.eager_calls == 1
-    assert len(region.captured) == 2 and region.replays == 4 and region.eager_calls == 1
+    # Four batch shapes: the features region meets each once (its warm-up, then a capture of each new one); the
+    # transformer's region two buckets: the first warmed up, then captured and replayed for two other batch shapes.
+    assert len(features_region.captured) == 3 and features_region.eager_calls == 1
+    assert len(region.captured) == 2 and region.replays == 3 and region.eager_calls == 1
 
 
 def test_feature_buckets_pad_each_level_to_the_bucket_with_stocks_masks():
