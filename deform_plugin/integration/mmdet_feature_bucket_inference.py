@@ -101,8 +101,11 @@ class FeatureBucketInference(GraphInference):
         self.feature_graphs = GraphCache(f"{name} inference backbone and neck", self.graphs.policy)
 
     def predict(self, batch_inputs: torch.Tensor, batch_data_samples, rescale: bool = True):
-        if self.detector.training or torch.is_grad_enabled() or batch_inputs.device.type != self.device_type:
+        if self.detector.training or torch.is_grad_enabled():
+            return self.eager_predict(batch_inputs, batch_data_samples, rescale=rescale)
+        if batch_inputs.device.type != self.device_type:
             # Off the graphs' device nothing is replayed, and the padded path would give the same detections.
+            self.graphs.note_eager_call()
             return self.eager_predict(batch_inputs, batch_data_samples, rescale=rescale)
         detector = self.detector
         kind = (tuple(batch_inputs.shape[:2]), batch_inputs.dtype, batch_inputs.device,

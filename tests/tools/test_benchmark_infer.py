@@ -78,9 +78,10 @@ def test_a_small_cpu_run_writes_its_report(tmp_path):
     # The same weights and images: mmcv's own op (here its PyTorch CPU path) finds our op's detections.
     assert records[0]["max_score_diff"] < 1e-4 and records[1]["top1_vs_stock"] == 1.0
     graph = records[2]
-    # The CPU runs no graphs; the graph row pads to its buckets all the same.
+    # The CPU runs no graphs; Deformable-DETR's feature buckets pad nothing there (the detections are the unpadded
+    # ones either way).
     assert graph["graphs"]["graphs"] == 0 and graph["graphs"]["eager_calls"] == 2
-    assert graph["graphs"]["padded_pixels"] > 0 and graph["nonfinite_images"] == 0
+    assert graph["graphs"]["padded_pixels"] == 0 and graph["nonfinite_images"] == 0
     assert graph["call_kinds"] == ["eager", "eager"] and records[0]["call_kinds"] is None
     assert records[1]["max_score_diff"] == 0.0
     table = (tmp_path / "inference.md").read_text()
