@@ -17,11 +17,10 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 from .cpu_threads import GPU_INFERENCE_CPU_THREADS, cap_threads_for_gpu_inference, check_thread_limit
-from .cuda_graphs import CapturePolicy, InferenceBuckets
+from .cuda_graphs import DEFAULT_FEATURE_BUCKET_SIZE, CapturePolicy, InferenceBuckets, check_feature_bucket_size
 from .integration.mmdet_fast_paths import apply_fast_paths
 from .integration.mmdet_fast_paths.ddq_nms import has_ddq_nms
-from .integration.mmdet_feature_bucket_inference import (DEFAULT_FEATURE_BUCKET_SIZE, enable_feature_bucket_inference,
-                                                         supports_feature_buckets)
+from .integration.mmdet_feature_bucket_inference import enable_feature_bucket_inference, supports_feature_buckets
 from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
 
 __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_inference", "throughput_buckets"]
@@ -69,10 +68,7 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     check_thread_limit(cpu_threads)
     if feature_buckets is ...:
         feature_buckets = DEFAULT_FEATURE_BUCKET_SIZE if buckets is ... else None
-    if feature_buckets is not None and (isinstance(feature_buckets, bool) or not isinstance(feature_buckets, int)
-                                        or feature_buckets < 1):
-        raise ValueError(f"enable_fast_inference: feature_buckets must be an int >= 1 (pixels) or None, got "
-                         f"{feature_buckets!r}")
+    check_feature_bucket_size("enable_fast_inference", "feature_buckets", feature_buckets)
     if cudnn_v7_api not in (None, True, False):
         raise ValueError(f"enable_fast_inference: cudnn_v7_api must be None, True or False, got {cudnn_v7_api!r}")
     model.eval()

@@ -54,6 +54,18 @@ class CapturePolicy:
             raise ValueError(f"CapturePolicy: max_graph_memory_mb must be a number > 0 or None, got {memory!r}")
 
 
+# Feature buckets (Deformable-DETR's and DINO's feature maps padded before the transformer's graphs, in training
+# without ShapeBucketsHook and in inference): each side of a level rounded up to this many input pixels' worth of
+# cells.
+DEFAULT_FEATURE_BUCKET_SIZE = 128
+
+
+def check_feature_bucket_size(owner: str, name: str, value) -> None:
+    """Refuse a feature bucket size that is neither None nor an int >= 1 (pixels), naming ``owner``'s ``name``."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{owner}: {name} must be an int >= 1 (pixels) or None, got {value!r}")
+
+
 def _round_up(value: int, divisor: int) -> int:
     return -(-value // divisor) * divisor
 

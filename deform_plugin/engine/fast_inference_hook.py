@@ -7,6 +7,8 @@ from mmengine.hooks import Hook
 from mmengine.logging import print_log
 from mmengine.registry import HOOKS
 
+from deform_plugin.cuda_graphs import DEFAULT_FEATURE_BUCKET_SIZE
+
 
 @HOOKS.register_module()
 class FastInferenceHook(Hook):
@@ -38,8 +40,8 @@ class FastInferenceHook(Hook):
     def __init__(self, size_divisor: int = 32, buckets: bool = True,
                  canvases: Union[None, str, Sequence[Sequence[int]]] = None, borrow_max_pixels: float = 1.15,
                  capture_after: int = 2, max_graphs: int = 16, max_graph_memory_mb: Optional[float] = None,
-                 feature_buckets: Optional[int] = 128):
-        from deform_plugin.cuda_graphs import CapturePolicy, InferenceBuckets
+                 feature_buckets: Optional[int] = DEFAULT_FEATURE_BUCKET_SIZE):
+        from deform_plugin.cuda_graphs import CapturePolicy, InferenceBuckets, check_feature_bucket_size
         self.policy = CapturePolicy(capture_after=capture_after, max_graphs=max_graphs,
                                     max_graph_memory_mb=max_graph_memory_mb)
         self.bucketing = bool(buckets)
@@ -50,10 +52,7 @@ class FastInferenceHook(Hook):
         self.canvases = canvases if canvases is None or isinstance(canvases, str) else tuple(
             tuple(canvas) for canvas in canvases)
         self.borrow_max_pixels = borrow_max_pixels
-        if feature_buckets is not None and (isinstance(feature_buckets, bool) or not isinstance(feature_buckets, int)
-                                            or feature_buckets < 1):
-            raise ValueError(f"FastInferenceHook: feature_buckets must be an int >= 1 (pixels) or None, got "
-                             f"{feature_buckets!r}")
+        check_feature_bucket_size("FastInferenceHook", "feature_buckets", feature_buckets)
         self.feature_buckets = feature_buckets
         # Bad values fail when the config is built.
         InferenceBuckets(size_divisor=size_divisor, borrow_max_pixels=borrow_max_pixels,

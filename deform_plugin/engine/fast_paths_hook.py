@@ -101,9 +101,11 @@ class FastPathsHook(Hook):
         CUDA in a run without :class:`ShapeBucketsHook` (its batch shapes rarely recur, the feature buckets' do), 0
         (off) elsewhere (off CUDA the regions run eagerly: padding would only add work)."""
         import dataclasses
+
+        from deform_plugin.cuda_graphs import DEFAULT_FEATURE_BUCKET_SIZE
         paths = self.fast_paths
         if paths.feature_bucket_size is None:
-            size = 128 if (paths.cuda_graphs and not self._padded_to_buckets(runner)
+            size = DEFAULT_FEATURE_BUCKET_SIZE if (paths.cuda_graphs and not self._padded_to_buckets(runner)
                            and self._model_on_cuda(runner.model)) else 0
             paths = dataclasses.replace(paths, feature_bucket_size=size)
         return paths
@@ -144,7 +146,6 @@ def fast_path_switches_from_config(cfg) -> dict:
     switches = {}
     for hook_cfg in cfg.get("custom_hooks", None) or []:
         if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
-            switches.update({k: v if v is None or k == "feature_bucket_size" else bool(v) for k, v in hook_cfg.items()
-                             if k not in ("type", "priority") + HOOK_OPTIONS})
-    FastPaths.from_dict(switches)
-    return switches
+            switches.update({k: v for k, v in hook_cfg.items() if k not in ("type", "priority") + HOOK_OPTIONS})
+    paths = FastPaths.from_dict(switches)  # checks the names and values, and normalises them (1 -> True)
+    return {name: getattr(paths, name) for name in switches}

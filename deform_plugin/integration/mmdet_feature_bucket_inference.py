@@ -15,7 +15,8 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-from deform_plugin.cuda_graphs import CapturePolicy, GraphCache
+from deform_plugin.cuda_graphs import (DEFAULT_FEATURE_BUCKET_SIZE, CapturePolicy, GraphCache,
+                                       check_feature_bucket_size)
 
 from .mmdet_fast_paths.graphed_inputs import image_sizes_tensor
 from .mmdet_fast_paths.graphed_training import detr_encoder
@@ -23,10 +24,6 @@ from .mmdet_fast_paths.padded_levels import (added_tokens, dino_forward_decoder,
                                              pads_deformable_detr_decoder, pads_dino_decoder, two_stage_pre_decoder,
                                              unpadded_valid_ratios)
 from .mmdet_graph_inference import DEFAULT_INFERENCE_POLICY, GraphInference, _detr_postprocess
-
-# Each side of a feature level rounded up to this many input pixels' worth of cells.
-DEFAULT_FEATURE_BUCKET_SIZE = 128
-
 
 def supports_feature_buckets(detector) -> bool:
     """Whether ``detector`` is a Deformable-DETR or DINO with mmdet 3.3.0's predict and transformer pieces."""
@@ -92,8 +89,9 @@ class FeatureBucketInference(GraphInference):
         if not supports_feature_buckets(detector):
             raise TypeError(f"{type(detector).__name__} has no feature-bucket inference: it is not a Deformable-DETR "
                             "or DINO with mmdet 3.3.0's predict and transformer")
-        if isinstance(feature_bucket_size, bool) or not isinstance(feature_bucket_size, int) or feature_bucket_size < 1:
-            raise ValueError(f"feature_bucket_size must be an int >= 1 (pixels), got {feature_bucket_size!r}")
+        if feature_bucket_size is None:
+            raise ValueError("FeatureBucketInference: feature_bucket_size must be an int >= 1 (pixels), got None")
+        check_feature_bucket_size("FeatureBucketInference", "feature_bucket_size", feature_bucket_size)
         super().__init__(detector, policy=policy, buckets=None)
         self.feature_bucket_size = feature_bucket_size
         name = type(detector).__name__

@@ -64,6 +64,20 @@ def small_detector(name, dtype=torch.float64, layers=None, feedforward_channels=
     return model.to(dtype=dtype).train()
 
 
+def with_fractional_offsets(model, seed=5):
+    """``model`` with a fraction of a pixel (0.25-0.75) added to every MSDA's sampling-offset biases. Their initial
+    values are whole pixels, which put the encoder's samples on pixel centres, where bilinear sampling has no
+    derivative and float rounding picks the corners: comparisons of two paths that round their reference points
+    differently then stay well-conditioned."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__ == "MultiScaleDeformableAttention":
+                bias = module.sampling_offsets.bias
+                bias.add_(torch.rand(bias.shape, generator=generator, dtype=torch.float64).to(bias) * 0.5 + 0.25)
+    return model
+
+
 def float64_nms_refusal():
     """Why this environment's NMS cannot take the float64 boxes of a shrunk DDQ-DETR, or None where it can.
 

@@ -6,7 +6,7 @@ import pytest
 import stock_worker
 import torch
 from emulated_graphs import ReRunInferenceGraph
-from small_detectors import small_detector
+from small_detectors import small_detector, with_fractional_offsets
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
 from deform_plugin.apis import enable_fast_inference
@@ -35,21 +35,9 @@ def _predictions(samples):
     return {key: instances[key] for key in ("bboxes", "scores", "labels")}
 
 
-def _with_fractional_offsets(model):
-    # The initial whole-pixel sampling offsets put samples on pixel centres, where rounding picks the bilinear
-    # corners: fractional offsets keep the comparison well-conditioned.
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "MultiScaleDeformableAttention":
-                bias = module.sampling_offsets.bias
-                bias.add_(torch.rand(bias.shape, generator=generator, dtype=torch.float64).to(bias) * 0.5 + 0.25)
-    return model
-
-
 @pytest.mark.parametrize("name", ["deformable-detr", "deformable-detr-two-stage", "dino"])
 def test_feature_buckets_give_the_unpadded_detections(name):
-    stock = _with_fractional_offsets(small_detector(name, dtype=torch.float64, layers=2).eval())
+    stock = with_fractional_offsets(small_detector(name, dtype=torch.float64, layers=2).eval())
     fast = copy.deepcopy(stock)
     apply_fast_paths(fast, sdpa_attention=True, sync_free_forward=True)
     assert supports_feature_buckets(fast)
@@ -98,7 +86,7 @@ def test_feature_buckets_are_for_the_detrs_others_keep_image_buckets():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("name", ["deformable-detr-two-stage", "dino"])
 def test_feature_bucket_graphs_give_the_eager_detections_on_a_gpu(name):
-    stock = _with_fractional_offsets(small_detector(name, dtype=torch.float32, layers=2)).cuda().eval()
+    stock = with_fractional_offsets(small_detector(name, dtype=torch.float32, layers=2)).cuda().eval()
     fast = copy.deepcopy(stock)
     changed = enable_fast_inference(fast, feature_buckets=64, cpu_threads=None, cudnn_v7_api=False)
     inference = changed["graph_inference"]

@@ -182,7 +182,7 @@ def build_row_model(spec: dict):
         raise ValueError(f"unknown row {row!r}; choose from stock, eager, graph, graph-image, graph-canvas, "
                          "graph-exact")
     from deform_plugin.apis import CapturePolicy, InferenceBuckets, enable_fast_inference, throughput_buckets
-    from deform_plugin.integration.mmdet_feature_bucket_inference import DEFAULT_FEATURE_BUCKET_SIZE
+    from deform_plugin.cuda_graphs import DEFAULT_FEATURE_BUCKET_SIZE
     policy = CapturePolicy(**spec.get("policy", {}))
     buckets = None
     if row != "graph-exact":

@@ -37,7 +37,7 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from deform_plugin.cuda_graphs import CapturePolicy
+from deform_plugin.cuda_graphs import CapturePolicy, check_feature_bucket_size
 
 from .graphed_inputs import (GraphedLoss, cached_denoising_mask, denoising_queries, image_sizes_tensor,
                              padded_denoising_count)
@@ -299,9 +299,7 @@ def enable_cuda_graph_training(detector, policy: Optional[CapturePolicy] = None,
     pieces = _region_and_tail(detector)
     if pieces is None:
         return None
-    if feature_bucket_size is not None and (isinstance(feature_bucket_size, bool)
-                                            or not isinstance(feature_bucket_size, int) or feature_bucket_size < 1):
-        raise ValueError(f"feature_bucket_size must be an int >= 1 (pixels) or None, got {feature_bucket_size!r}")
+    check_feature_bucket_size("enable_cuda_graph_training", "feature_bucket_size", feature_bucket_size)
     pads_features = feature_bucket_size is not None and pieces.pads_features
     split_at_features = split_at_features or pads_features
     name = type(detector).__name__

@@ -11,7 +11,8 @@ import pytest
 import stock_worker
 import torch
 from emulated_graphs import EmulatedGraphRegion
-from small_detectors import DETECTOR_CONFIGS, PANOPTIC_STUFF, PANOPTIC_THINGS, small_detector
+from small_detectors import (DETECTOR_CONFIGS, PANOPTIC_STUFF, PANOPTIC_THINGS, small_detector,
+                             with_fractional_offsets)
 from torch import nn
 
 import deform_plugin  # noqa: F401  (mmcv-lite stand-in; registers our module)
@@ -170,10 +171,8 @@ def test_feature_buckets_give_the_unpadded_losses_and_gradients(name):
     torch.set_default_dtype(torch.float64)
     try:
         # Dropout off: it draws over the padded tokens. mmdet makes the reference points and valid ratios in float32:
-        # padding changes their rounding (relative 1e-7), hence the tolerances. The sampling offsets' initial biases
-        # are whole pixels, which put the encoder's samples on pixel centres, where bilinear sampling has no
-        # derivative (its gradient there depends on the side rounding puts a sample on): fractional offsets here.
-        stock = _with_fractional_offsets(
+        # padding changes their rounding (relative 1e-7), hence the tolerances and the fractional sampling offsets.
+        stock = with_fractional_offsets(
             _without_dropout(small_detector(name, dtype=torch.float64, layers=2, feedforward_channels=256)))
         fast = copy.deepcopy(stock)
         apply_fast_paths(fast, cuda_graphs=True, feature_bucket_size=64, capture_policy=CapturePolicy(capture_after=1))
@@ -220,21 +219,11 @@ def test_feature_buckets_pad_each_level_to_the_bucket_with_stocks_masks():
     assert torch.equal(flat[..., levels.token_index], torch.cat([f.flatten(2) for f in features], 2))
 
 
-def _with_fractional_offsets(model):
-    generator = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__ == "MultiScaleDeformableAttention":
-                bias = module.sampling_offsets.bias
-                bias.add_(torch.rand(bias.shape, generator=generator, dtype=torch.float64).to(bias) * 0.5 + 0.25)
-    return model
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("name", ["deformable-detr-two-stage", "dino"])
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
 def test_feature_buckets_on_cuda_graphs_match_eager(name, amp):
-    eager = _with_fractional_offsets(_without_dropout(small_detector(name, dtype=torch.float32))).cuda()
+    eager = with_fractional_offsets(_without_dropout(small_detector(name, dtype=torch.float32))).cuda()
     apply_fast_paths(eager, sync_free_forward=True)
     graphed = copy.deepcopy(eager)
     apply_fast_paths(graphed, cuda_graphs=True, feature_bucket_size=128, capture_policy=CapturePolicy(capture_after=1))
