@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 from .cpu_threads import GPU_INFERENCE_CPU_THREADS, cap_threads_for_gpu_inference, check_thread_limit
 from .cuda_graphs import DEFAULT_FEATURE_BUCKET_SIZE, CapturePolicy, InferenceBuckets, check_feature_bucket_size
+from .cuda_graphs.policy import feature_bucket_size_or_alias
 from .integration.mmdet_fast_paths import apply_fast_paths
 from .integration.mmdet_fast_paths.ddq_nms import has_ddq_nms
 from .integration.mmdet_feature_bucket_inference import enable_feature_bucket_inference, supports_feature_buckets
@@ -28,8 +29,8 @@ __all__ = ["CapturePolicy", "GraphInference", "InferenceBuckets", "enable_fast_i
 
 def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets: Optional[InferenceBuckets] = ...,
                           cpu_threads: Optional[int] = GPU_INFERENCE_CPU_THREADS,
-                          cudnn_v7_api: Optional[bool] = None, feature_buckets: Optional[int] = ...
-                          ) -> Dict[str, object]:
+                          cudnn_v7_api: Optional[bool] = None, feature_bucket_size: Optional[int] = ...,
+                          feature_buckets: Optional[int] = ...) -> Dict[str, object]:
     """Make ``model`` (an mmdet DETR-family detector, Grounding-DINO included, or a MaskFormer, in eval mode) infer at
     graph speed on CUDA.
 
@@ -40,7 +41,7 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     :func:`throughput_buckets` for sizes that rarely repeat, with more padding), a shape is captured once it
     recurs, and shapes beyond the ``policy``'s caps run eagerly (default: captured at the second call, at most 16
     graphs). On a CPU the model runs as before. Deformable-DETR and DINO pad their feature maps instead of the
-    image by default (``feature_buckets``).
+    image by default (``feature_bucket_size``).
 
     For a model on the GPU, torch's CPU threads are lowered to ``cpu_threads`` (default 4; None keeps them;
     ``OMP_NUM_THREADS``, where set, wins): with one thread per core, torch's idle OpenMP workers spin on the cores
@@ -54,30 +55,32 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     ``init_detector``; a ``TORCH_CUDNN_V8_API_DISABLED`` the user set wins. False keeps PyTorch's choice (for a
     stream of one input size).
 
-    ``feature_buckets`` (pixels; Deformable-DETR and DINO): instead of padding the image, run the backbone and neck
+    ``feature_bucket_size`` (pixels; Deformable-DETR and DINO): instead of padding the image, run the backbone and neck
     at the input's own size (from a graph once the size recurs) and pad the feature maps to buckets of this many
     pixels before the transformer's graphs (:mod:`deform_plugin.integration.mmdet_feature_bucket_inference`): the
     detections are the unpadded input's, and sizes that never repeat still replay the transformer. Other detectors
     keep ``buckets``. Default: 128 where ``buckets`` is left at its default, else None (``buckets`` for every
-    detector); None: image buckets for every detector.
+    detector); None: image buckets for every detector. ``feature_buckets`` is the same setting's deprecated name
+    (a ``DeprecationWarning``; passing both is a ValueError).
 
     Returns what changed; its ``'graph_inference'`` entry's ``stats()`` reports graphs, replays, eager calls and
     the graphs' memory, ``'cpu_threads'`` the thread count set (absent where none was) and ``'cudnn_v7_api'``
     whether the v7 API is selected (absent where this call left it alone).
     """
     check_thread_limit(cpu_threads)
-    if feature_buckets is ...:
-        feature_buckets = DEFAULT_FEATURE_BUCKET_SIZE if buckets is ... else None
-    check_feature_bucket_size("enable_fast_inference", "feature_buckets", feature_buckets)
+    feature_bucket_size = feature_bucket_size_or_alias("enable_fast_inference", feature_bucket_size, feature_buckets)
+    if feature_bucket_size is ...:
+        feature_bucket_size = DEFAULT_FEATURE_BUCKET_SIZE if buckets is ... else None
+    check_feature_bucket_size("enable_fast_inference", "feature_bucket_size", feature_bucket_size)
     if cudnn_v7_api not in (None, True, False):
         raise ValueError(f"enable_fast_inference: cudnn_v7_api must be None, True or False, got {cudnn_v7_api!r}")
     model.eval()
     # float32_nms only where there is a DDQ-DETR NMS to change: elsewhere it would log that it changes nothing.
     changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True,
                                                        float32_nms=has_ddq_nms(model)))
-    if feature_buckets is not None and supports_feature_buckets(model):
+    if feature_bucket_size is not None and supports_feature_buckets(model):
         changed["graph_inference"] = enable_feature_bucket_inference(model, policy=policy,
-                                                                     feature_bucket_size=feature_buckets)
+                                                                     feature_bucket_size=feature_bucket_size)
     else:
         changed["graph_inference"] = enable_graph_inference(model, policy=policy, buckets=buckets)
     on_gpu = any(parameter.is_cuda for parameter in model.parameters())

@@ -17,6 +17,7 @@ largest.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Tuple
 
@@ -64,6 +65,22 @@ def check_feature_bucket_size(owner: str, name: str, value) -> None:
     """Refuse a feature bucket size that is neither None nor an int >= 1 (pixels), naming ``owner``'s ``name``."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{owner}: {name} must be an int >= 1 (pixels) or None, got {value!r}")
+
+
+def feature_bucket_size_or_alias(owner: str, feature_bucket_size, feature_buckets):
+    """``owner``'s ``feature_bucket_size``, or ``feature_buckets`` in its place: the inference entry points' older
+    keyword for the same setting, accepted with a ``DeprecationWarning`` and validated under that name. ``...``
+    stands for a keyword not passed (and is returned where neither was); both passed is a ValueError."""
+    if feature_buckets is ...:
+        return feature_bucket_size
+    if feature_bucket_size is not ...:
+        raise ValueError(f"{owner}: pass feature_bucket_size or feature_buckets (its deprecated name), not both; got "
+                         f"feature_bucket_size={feature_bucket_size!r} and feature_buckets={feature_buckets!r}")
+    # stacklevel 3: the warning points at the code that called owner.
+    warnings.warn(f"{owner}: feature_buckets is deprecated, pass feature_bucket_size={feature_buckets!r} instead",
+                  DeprecationWarning, stacklevel=3)
+    check_feature_bucket_size(owner, "feature_buckets", feature_buckets)
+    return feature_buckets
 
 
 def _round_up(value: int, divisor: int) -> int:

@@ -30,9 +30,11 @@ class FastInferenceHook(Hook):
         capture_after (int): a bucket is captured at its ``capture_after``-th call.
         max_graphs (int): graphs kept at most; later new shapes run eagerly or borrow a larger graph.
         max_graph_memory_mb (float, optional): the device memory the captures may add, MiB.
-        feature_buckets (int, optional): Deformable-DETR and DINO pad their feature maps instead of the image, to
-            buckets of this many pixels (exact detections; see ``enable_fast_inference``); default 128, None: they
-            pad the image as the others do.
+        feature_bucket_size (int, optional): Deformable-DETR and DINO pad their feature maps instead of the image,
+            to buckets of this many pixels (exact detections; see ``enable_fast_inference``); default 128, None:
+            they pad the image as the others do.
+        feature_buckets (int, optional): the deprecated name of ``feature_bucket_size`` (a ``DeprecationWarning``;
+            passing both is a ValueError).
     """
 
     priority = "LOW"
@@ -40,8 +42,13 @@ class FastInferenceHook(Hook):
     def __init__(self, size_divisor: int = 32, buckets: bool = True,
                  canvases: Union[None, str, Sequence[Sequence[int]]] = None, borrow_max_pixels: float = 1.15,
                  capture_after: int = 2, max_graphs: int = 16, max_graph_memory_mb: Optional[float] = None,
-                 feature_buckets: Optional[int] = DEFAULT_FEATURE_BUCKET_SIZE):
+                 feature_bucket_size: Optional[int] = ..., feature_buckets: Optional[int] = ...):
         from deform_plugin.cuda_graphs import CapturePolicy, InferenceBuckets, check_feature_bucket_size
+        from deform_plugin.cuda_graphs.policy import feature_bucket_size_or_alias
+        # ``...``: not passed, so that the deprecated alias and the new name given together can be told apart.
+        feature_bucket_size = feature_bucket_size_or_alias("FastInferenceHook", feature_bucket_size, feature_buckets)
+        if feature_bucket_size is ...:
+            feature_bucket_size = DEFAULT_FEATURE_BUCKET_SIZE
         self.policy = CapturePolicy(capture_after=capture_after, max_graphs=max_graphs,
                                     max_graph_memory_mb=max_graph_memory_mb)
         self.bucketing = bool(buckets)
@@ -52,8 +59,8 @@ class FastInferenceHook(Hook):
         self.canvases = canvases if canvases is None or isinstance(canvases, str) else tuple(
             tuple(canvas) for canvas in canvases)
         self.borrow_max_pixels = borrow_max_pixels
-        check_feature_bucket_size("FastInferenceHook", "feature_buckets", feature_buckets)
-        self.feature_buckets = feature_buckets
+        check_feature_bucket_size("FastInferenceHook", "feature_bucket_size", feature_bucket_size)
+        self.feature_bucket_size = feature_bucket_size
         # Bad values fail when the config is built.
         InferenceBuckets(size_divisor=size_divisor, borrow_max_pixels=borrow_max_pixels,
                          canvases=self.canvases if isinstance(self.canvases, tuple) else ())
@@ -78,7 +85,7 @@ class FastInferenceHook(Hook):
         training = model.training
         try:
             changed = enable_fast_inference(model, policy=self.policy, buckets=self._buckets(runner),
-                                            feature_buckets=self.feature_buckets)
+                                            feature_bucket_size=self.feature_bucket_size)
         except TypeError as error:  # a detector without graph inference: evaluated as it is
             print_log(f"FastInferenceHook: {error}; evaluating with mmdet's own predict", logger="current")
             self.graph_inference = False

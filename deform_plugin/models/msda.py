@@ -19,6 +19,7 @@ from mmengine.utils import deprecated_api_warning
 
 from deform_plugin.ops import fused_multi_scale_deformable_attn, get_default_backend
 from deform_plugin.ops.backend import resolve_backend, validate_backend_name
+from deform_plugin.ops.msda import prepare_first_call_in_background
 
 _live_modules: "weakref.WeakSet[MultiScaleDeformableAttention]" = weakref.WeakSet()
 _reported_backends = set()
@@ -63,6 +64,9 @@ class MultiScaleDeformableAttention(MMCVMultiScaleDeformableAttention):
                          init_cfg=init_cfg, value_proj_ratio=value_proj_ratio)
         self.backend = backend
         _live_modules.add(self)
+        # The op's one-time host work of a process's first call (~0.6 s on a GPU host), on a thread while the rest
+        # of the detector is built and its weights load, instead of in the first forward (the first image).
+        prepare_first_call_in_background(backend)
 
     def _report_backend_once(self, device: torch.device) -> None:
         # One INFO line per process and (requested backend, device): that the plugin runs, and what 'auto' chose.

@@ -31,7 +31,7 @@ def demo_model():
 
 def test_the_hook_gives_the_model_graph_inference_with_the_pipelines_canvases(demo_model):
     pipeline = [dict(type="LoadImageFromFile"), dict(type="Resize", scale=(1333, 800), keep_ratio=True)]
-    hook = FastInferenceHook(size_divisor=64, max_graphs=3, canvases="auto", feature_buckets=None)
+    hook = FastInferenceHook(size_divisor=64, max_graphs=3, canvases="auto", feature_bucket_size=None)
     demo_model.train()
     hook.before_test(_runner(demo_model, pipeline))
     graph_inference = hook.graph_inference
@@ -48,16 +48,43 @@ def test_by_default_the_detrs_pad_feature_maps_the_others_images_to_32_px_bucket
     hook.before_val(_runner(copy.deepcopy(demo_model), [dict(type="Resize", scale=(1333, 800), keep_ratio=True)]))
     assert isinstance(hook.graph_inference, FeatureBucketInference)
     assert hook.graph_inference.feature_bucket_size == 128
-    hook = FastInferenceHook(feature_buckets=None)
+    hook = FastInferenceHook(feature_bucket_size=None)
     hook.before_val(_runner(demo_model, [dict(type="Resize", scale=(1333, 800), keep_ratio=True)]))
     buckets = hook.graph_inference.buckets
     assert (buckets.size_divisor, buckets.canvases, buckets.borrow_max_pixels) == (32, (), 1.15)
-    with pytest.raises(ValueError, match="feature_buckets must be an int >= 1 .* got 0"):
+    with pytest.raises(ValueError, match="feature_bucket_size must be an int >= 1 .* got 0"):
+        FastInferenceHook(feature_bucket_size=0)
+
+
+def test_feature_buckets_is_a_deprecated_name_for_feature_bucket_size(demo_model):
+    from deform_plugin.integration.mmdet_feature_bucket_inference import FeatureBucketInference
+    pipeline = [dict(type="Resize", scale=(1333, 800), keep_ratio=True)]
+    with pytest.warns(DeprecationWarning, match="feature_buckets is deprecated, pass feature_bucket_size=64") as got:
+        hook = FastInferenceHook(feature_buckets=64)
+    ours = [each for each in got if "feature_buckets is deprecated" in str(each.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # the warning points at the caller's line
+    assert hook.feature_bucket_size == 64
+    hook.before_val(_runner(copy.deepcopy(demo_model), pipeline))
+    assert isinstance(hook.graph_inference, FeatureBucketInference) and hook.graph_inference.feature_bucket_size == 64
+    with pytest.warns(DeprecationWarning, match="pass feature_bucket_size=None"):
+        hook = FastInferenceHook(feature_buckets=None)
+    hook.before_val(_runner(copy.deepcopy(demo_model), pipeline))
+    assert not isinstance(hook.graph_inference, FeatureBucketInference)
+    assert hook.graph_inference.buckets.size_divisor == 32
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="feature_buckets must be an int >= 1 .* "
+                                                         "got 0"):
         FastInferenceHook(feature_buckets=0)
 
 
+def test_feature_bucket_size_and_its_deprecated_name_together_are_refused():
+    for new, old in ((128, 64), (None, None), (128, 128)):
+        with pytest.raises(ValueError, match=f"FastInferenceHook: pass feature_bucket_size or feature_buckets .*not "
+                           f"both; got feature_bucket_size={new} and feature_buckets={old}"):
+            FastInferenceHook(feature_bucket_size=new, feature_buckets=old)
+
+
 def test_without_buckets_the_inputs_keep_their_shapes(demo_model):
-    hook = FastInferenceHook(buckets=False, feature_buckets=None)
+    hook = FastInferenceHook(buckets=False, feature_bucket_size=None)
     hook.before_val(_runner(demo_model, []))
     assert hook.graph_inference.buckets is None
 

@@ -75,12 +75,41 @@ def test_feature_buckets_are_for_the_detrs_others_keep_image_buckets():
     from deform_plugin.integration.mmdet_graph_inference import GraphInference
     for name, expected in (("dino", FeatureBucketInference), ("mask2former", GraphInference)):
         changed = enable_fast_inference(small_detector(name, dtype=torch.float64, layers=2).eval(),
-                                        feature_buckets=128, cpu_threads=None)
+                                        feature_bucket_size=128, cpu_threads=None)
         assert type(changed["graph_inference"]) is expected
-    with pytest.raises(ValueError, match="feature_buckets must be an int >= 1 .*got 0"):
-        enable_fast_inference(small_detector("dino", dtype=torch.float64, layers=2).eval(), feature_buckets=0)
+    with pytest.raises(ValueError, match="feature_bucket_size must be an int >= 1 .*got 0"):
+        enable_fast_inference(small_detector("dino", dtype=torch.float64, layers=2).eval(), feature_bucket_size=0)
     with pytest.raises(TypeError, match="Linear has no feature-bucket inference"):
         FeatureBucketInference(torch.nn.Linear(2, 2))
+
+
+def test_feature_buckets_is_a_deprecated_name_for_feature_bucket_size():
+    from deform_plugin.integration.mmdet_graph_inference import GraphInference
+    # The models are built outside pytest.warns: building one warns of mmengine's own deprecations.
+    model = small_detector("dino", dtype=torch.float64, layers=2).eval()
+    with pytest.warns(DeprecationWarning, match="enable_fast_inference: feature_buckets is deprecated, pass "
+                      "feature_bucket_size=64 instead") as got:
+        changed = enable_fast_inference(model, feature_buckets=64, cpu_threads=None)
+    ours = [each for each in got if "feature_buckets is deprecated" in str(each.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__  # the warning points at the caller's line
+    inference = changed["graph_inference"]
+    assert type(inference) is FeatureBucketInference and inference.feature_bucket_size == 64
+    model = small_detector("dino", dtype=torch.float64, layers=2).eval()
+    with pytest.warns(DeprecationWarning, match="pass feature_bucket_size=None"):
+        changed = enable_fast_inference(model, feature_buckets=None, cpu_threads=None)
+    assert type(changed["graph_inference"]) is GraphInference
+    model = small_detector("dino", dtype=torch.float64, layers=2).eval()
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="enable_fast_inference: feature_buckets "
+                                                         "must be an int >= 1 .*got 0"):
+        enable_fast_inference(model, feature_buckets=0)
+
+
+def test_feature_bucket_size_and_its_deprecated_name_together_are_refused():
+    model = small_detector("dino", dtype=torch.float64, layers=2).eval()
+    with pytest.raises(ValueError, match="enable_fast_inference: pass feature_bucket_size or feature_buckets .*not "
+                       "both; got feature_bucket_size=128 and feature_buckets=None"):
+        enable_fast_inference(model, feature_bucket_size=128, feature_buckets=None, cpu_threads=None)
+    assert "predict" not in vars(model)  # refused before the model is changed
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -88,7 +117,7 @@ def test_feature_buckets_are_for_the_detrs_others_keep_image_buckets():
 def test_feature_bucket_graphs_give_the_eager_detections_on_a_gpu(name):
     stock = with_fractional_offsets(small_detector(name, dtype=torch.float32, layers=2)).cuda().eval()
     fast = copy.deepcopy(stock)
-    changed = enable_fast_inference(fast, feature_buckets=64, cpu_threads=None, cudnn_v7_api=False)
+    changed = enable_fast_inference(fast, feature_bucket_size=64, cpu_threads=None, cudnn_v7_api=False)
     inference = changed["graph_inference"]
     assert isinstance(inference, FeatureBucketInference)
     with torch.no_grad():

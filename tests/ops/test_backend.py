@@ -59,6 +59,7 @@ def test_triton_warm_up_runs_on_a_thread_and_fills_the_caches_the_first_call_rea
     monkeypatch.setattr(functional, "triton_interpreter_enabled", lambda: False)
     monkeypatch.setattr(functional, "triton_unavailable_reason", lambda device: None)
     monkeypatch.setattr(functional, "_triton_op_module", None)
+    monkeypatch.setattr(functional, "_warm_up_thread", None)
     from triton.runtime.cache import triton_key
     triton_key.cache_clear()
     thread = prepare_triton_in_background()
@@ -67,11 +68,13 @@ def test_triton_warm_up_runs_on_a_thread_and_fills_the_caches_the_first_call_rea
     assert not thread.is_alive()
     assert triton_key.cache_info().currsize == 1  # Triton's cache key: computed, kept for the first launch
     assert functional._triton_op_module is not None  # the custom ops: registered
+    assert prepare_triton_in_background() is thread  # once per process
 
 
 def test_triton_warm_up_starts_nothing_without_cuda_and_swallows_its_own_errors(monkeypatch):
     from deform_plugin.ops.msda import functional, prepare_triton_in_background
 
+    monkeypatch.setattr(functional, "_warm_up_thread", None)
     monkeypatch.setattr(functional.torch.cuda, "is_available", lambda: False)
     assert prepare_triton_in_background() is None
     monkeypatch.setattr(functional.torch.cuda, "is_available", lambda: True)
@@ -87,3 +90,32 @@ def test_triton_warm_up_starts_nothing_without_cuda_and_swallows_its_own_errors(
     thread = prepare_triton_in_background()
     thread.join(timeout=60)
     assert errors == []  # a warm-up that fails leaves the work (and the error) to the first call
+
+
+def test_first_call_warm_up_follows_the_backend_a_module_asks_for(monkeypatch):
+    from deform_plugin.ops.msda import functional, prepare_first_call_in_background
+
+    started = []
+    monkeypatch.setattr(functional, "prepare_triton_in_background", lambda: started.append(1) or "thread")
+    assert prepare_first_call_in_background("pytorch") is None
+    assert prepare_first_call_in_background("mmcv") is None
+    assert started == []
+    assert prepare_first_call_in_background("triton") == "thread"
+    assert prepare_first_call_in_background("auto") == "thread"
+    with backend.default_backend("pytorch"):
+        assert prepare_first_call_in_background(None) is None
+    with backend.default_backend("auto"):
+        assert prepare_first_call_in_background(None) == "thread"
+    assert len(started) == 3
+
+
+def test_building_the_module_asks_for_the_first_call_warm_up_of_its_backend(monkeypatch):
+    import deform_plugin  # noqa: F401
+    from deform_plugin.models import msda as msda_module
+
+    requested = []
+    monkeypatch.setattr(msda_module, "prepare_first_call_in_background", lambda name: requested.append(name))
+    msda_module.MultiScaleDeformableAttention(embed_dims=32, num_heads=2, num_levels=2, num_points=2)
+    msda_module.MultiScaleDeformableAttention(embed_dims=32, num_heads=2, num_levels=2, num_points=2,
+                                              backend="pytorch")
+    assert requested == [None, "pytorch"]

@@ -190,7 +190,7 @@ def build_row_model(spec: dict):
         buckets = InferenceBuckets(**dict(vars(buckets), **spec.get("buckets", {})))
     # 'graph': enable_fast_inference's default, feature buckets for the DETRs (the image buckets for the others).
     changed = enable_fast_inference(model, policy=policy, buckets=buckets,
-                                    feature_buckets=DEFAULT_FEATURE_BUCKET_SIZE if row == "graph" else None)
+                                    feature_bucket_size=DEFAULT_FEATURE_BUCKET_SIZE if row == "graph" else None)
     return model, changed
 
 

@@ -124,17 +124,42 @@ def _triton_op():
     return _triton_op_module
 
 
+_warm_up_thread: Optional[threading.Thread] = None
+_warm_up_lock = threading.Lock()
+
+
 def prepare_triton_in_background() -> Optional[threading.Thread]:
     """Start, on a daemon thread, the one-time host work of the process's first Triton MSDA call, and return it.
 
     That work (Triton's cache key and lazy imports, see :func:`warm_up_triton`; the custom ops' registration with
-    the dispatcher, ~0.15 s) would otherwise fall in the first training iteration. Started while a run builds its
-    model and its data loader's workers start, it overlaps them. A call that comes first does the rest itself.
-    None (nothing started) where the Triton kernels cannot run on CUDA.
+    the dispatcher, ~0.15 s) would otherwise fall in the first training iteration or the first image. Started while
+    a run builds its model and its data loader's workers start, it overlaps them. A call that comes first does the
+    rest itself. Once per process: later calls return the first thread. None (nothing started) where the Triton
+    kernels cannot run on CUDA.
     """
+    global _warm_up_thread
+    if _warm_up_thread is not None:
+        return _warm_up_thread
     if triton_interpreter_enabled() or not torch.cuda.is_available() or \
             triton_unavailable_reason(torch.device("cuda")) is not None:
         return None
+    with _warm_up_lock:
+        if _warm_up_thread is None:
+            _warm_up_thread = _start_triton_warm_up()
+        return _warm_up_thread
+
+
+def prepare_first_call_in_background(backend: Optional[str] = None) -> Optional[threading.Thread]:
+    """:func:`prepare_triton_in_background` where ``backend`` (None: the process default) can resolve to Triton;
+    None otherwise. For a module to call when it is built: the work then overlaps the rest of the model's building
+    and its weights' loading."""
+    requested = backend if backend is not None else get_default_backend()
+    if requested not in ("auto", "triton"):
+        return None
+    return prepare_triton_in_background()
+
+
+def _start_triton_warm_up() -> threading.Thread:
 
     def prepare():
         try:

@@ -91,3 +91,24 @@ def test_no_poison_is_captured_into_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static.cpu(), torch.ones(4))
+
+
+def test_graph_inference_box_check_allows_swaps_within_the_score_tolerance_and_not_moved_boxes():
+    from deform_plugin.benchmarks.sanitizer.detector_cases import farthest_top_box
+
+    reference_scores = torch.tensor([0.9, 0.8, 0.501, 0.500, 0.1])
+    reference_boxes = torch.tensor([[0.0, 0, 10, 10], [20, 20, 30, 30], [40, 40, 50, 50], [60, 60, 70, 70],
+                                    [80, 80, 90, 90]])
+    # The third and fourth are tied within the tolerance: either may be the top 3's last.
+    swapped = reference_boxes[[0, 1, 3]]
+    assert farthest_top_box(swapped, reference_scores, reference_boxes, top=3, score_limit=0.01) == 0.0
+    # Beyond the tolerance the swap is an error, reported as the distance to the nearest candidate.
+    assert farthest_top_box(swapped, reference_scores, reference_boxes, top=3, score_limit=1e-4) == 20.0
+    # A box that moved is measured against its nearest candidate; one that is not a candidate counts as far.
+    moved = reference_boxes[:3].clone()
+    moved[1] += 1.5
+    assert farthest_top_box(moved, reference_scores, reference_boxes, top=3, score_limit=0.01) == 1.5
+    assert farthest_top_box(reference_boxes[[0, 1, 4]], reference_scores, reference_boxes, top=3,
+                            score_limit=0.01) == 20.0
+    assert farthest_top_box(reference_boxes[:0], reference_scores[:0], reference_boxes[:0], 3, 0.01) == 0.0
+    assert farthest_top_box(reference_boxes[:1], reference_scores[:0], reference_boxes[:0], 3, 0.01) == float("inf")
