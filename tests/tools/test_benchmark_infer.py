@@ -56,6 +56,13 @@ def test_a_graph_call_is_named_by_what_its_stats_changed():
     assert call_kind(before, dict(before, replays=5)) == "replay"
     assert call_kind(before, dict(before, replays=5, borrowed_calls=3)) == "borrow"
     assert call_kind(before, dict(before, eager_calls=4)) == "eager"
+    # Feature buckets: two parts, the backbone's graphs under 'backbone'.
+    parts = dict(before, borrowed_calls=0, backbone=dict(graphs=2, replays=7, eager_calls=5))
+    assert call_kind(parts, dict(parts, replays=5, backbone=dict(graphs=2, replays=8, eager_calls=5))) == "replay"
+    assert call_kind(parts, dict(parts, replays=5, backbone=dict(graphs=2, replays=7, eager_calls=6))) == "partial"
+    assert call_kind(parts, dict(parts, replays=5, backbone=dict(graphs=3, replays=7, eager_calls=5))) == "capture"
+    assert call_kind(parts, dict(parts, graphs=2, backbone=dict(graphs=2, replays=7, eager_calls=6))) == "capture"
+    assert call_kind(parts, dict(parts, eager_calls=4, backbone=dict(graphs=2, replays=7, eager_calls=6))) == "eager"
 
 
 def test_detections_are_compared_by_top_scores_and_top_box():

@@ -202,7 +202,7 @@ def summarize(result: dict, warmup: int) -> dict:
                 nonfinite_images=sum(not d["finite"] for d in result["detections"]))
 
 
-CALL_KINDS = ("eager", "capture", "replay", "borrow")
+CALL_KINDS = ("eager", "capture", "replay", "borrow", "partial")
 
 
 def _kind_cell(record: dict, kind: str) -> str:
@@ -254,7 +254,8 @@ def report(records: List[dict], info: dict, out_dir: Path) -> str:
     kinded = [r for r in records if r.get("call_kinds")]
     if kinded:
         text += ("\n\nGraph rows' calls by kind, over all images: count and mean ms per image (eager: a shape that "
-                 "has not earned a graph; capture: the call that captured one; borrow: a larger shape's graph):\n\n"
+                 "has not earned a graph; capture: the call that captured one, of any part; borrow: a larger "
+                 "shape's graph; partial: the transformer replayed, the backbone eager at a new size):\n\n"
                  + markdown_table(["config", "sizes", "row", *CALL_KINDS],
                                   [[r["config"], r["sizes"], r["row"]] + [_kind_cell(r, kind) for kind in CALL_KINDS]
                                    for r in kinded]))

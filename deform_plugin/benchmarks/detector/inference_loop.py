@@ -137,11 +137,16 @@ def time_inference(model, images: Sequence[np.ndarray], amp_dtype: Optional[str]
 
 
 def call_kind(before: dict, after: dict) -> str:
-    """What one graph-inference call did, from its ``stats()`` before and after: ``capture`` (a graph was made),
-    ``borrow`` (it replayed a larger shape's graph), ``replay`` or ``eager``."""
-    if after["graphs"] > before["graphs"]:
+    """What one graph-inference call did, from its ``stats()`` before and after: ``capture`` (a graph was made, of
+    any part), ``borrow`` (it replayed a larger shape's graph), ``replay`` (every part replayed), ``partial`` (with
+    feature buckets: the transformer replayed after the backbone ran eagerly at a size without a graph) or
+    ``eager``."""
+    backbone_before, backbone_after = before.get("backbone"), after.get("backbone")
+    if after["graphs"] > before["graphs"] or (backbone_after and backbone_after["graphs"] > backbone_before["graphs"]):
         return "capture"
     if after["replays"] > before["replays"]:
+        if backbone_after and backbone_after["replays"] == backbone_before["replays"]:
+            return "partial"
         return "borrow" if after["borrowed_calls"] > before["borrowed_calls"] else "replay"
     return "eager"
 
