@@ -20,6 +20,7 @@ from .cpu_threads import GPU_INFERENCE_CPU_THREADS, cap_threads_for_gpu_inferenc
 from .cuda_graphs import DEFAULT_FEATURE_BUCKET_SIZE, CapturePolicy, InferenceBuckets, check_feature_bucket_size
 from .cuda_graphs.policy import feature_bucket_size_or_alias
 from .integration.mmdet_fast_paths import apply_fast_paths
+from .integration.mmdet_fast_paths.ddq_distinct_queries import enable_sync_free_distinct_queries
 from .integration.mmdet_fast_paths.ddq_nms import has_ddq_nms
 from .integration.mmdet_feature_bucket_inference import enable_feature_bucket_inference, supports_feature_buckets
 from .integration.mmdet_graph_inference import GraphInference, enable_graph_inference, throughput_buckets
@@ -35,8 +36,9 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     graph speed on CUDA.
 
     Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``), the SDPA attention
-    bricks and, for DDQ-DETR, its NMS in float32 (``float32_nms``: it runs under autocast; a no-op in float32), then
-    replays each input shape's forward from a CUDA graph (:class:`GraphInference`): inputs are padded to
+    bricks and, for DDQ-DETR, its NMS in float32 (``float32_nms``: it runs under autocast; a no-op in float32) and
+    its distinct queries selected on the device with fixed shapes (``'sync_free_distinct_queries'``, so that its
+    decoder is replayed with the rest), then replays each input shape's forward from a CUDA graph (:class:`GraphInference`): inputs are padded to
     ``buckets`` (default: 32 px steps, borrowing a captured shape of at most 15% more pixels; None: no padding;
     :func:`throughput_buckets` for sizes that rarely repeat, with more padding), a shape is captured once it
     recurs, and shapes beyond the ``policy``'s caps run eagerly (default: captured at the second call, at most 16
@@ -78,6 +80,9 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     # float32_nms only where there is a DDQ-DETR NMS to change: elsewhere it would log that it changes nothing.
     changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True,
                                                        float32_nms=has_ddq_nms(model)))
+    if has_ddq_nms(model):
+        # DDQ-DETR's distinct queries selected on the device: its whole forward becomes one graph region.
+        changed["sync_free_distinct_queries"] = enable_sync_free_distinct_queries(model)
     if feature_bucket_size is not None and supports_feature_buckets(model):
         changed["graph_inference"] = enable_feature_bucket_inference(model, policy=policy,
                                                                      feature_bucket_size=feature_bucket_size)

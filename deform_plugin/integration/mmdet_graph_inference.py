@@ -3,14 +3,16 @@ and MaskFormer).
 
 At batch 1 the GPU work of a detector is small and the host's kernel launches set the pace. A CUDA graph replays
 the launches of a whole forward in one call. The detector's ``predict`` is split in two: the *region* (backbone,
-neck, transformer and head forward: fixed-size tensors in and out, no host sync once ``sync_free_forward`` is on)
-is captured once per input shape and replayed; the *post-processing* (top-k, rescaling to the original image, mask
+neck, transformer and head forward: fixed-size tensors in and out, no host sync once ``sync_free_forward`` is on) is
+captured once per input shape and replayed; the *post-processing* (top-k, rescaling to the original image, mask
 fusion: data-dependent and cheap) runs eagerly on the replayed outputs, as mmdet runs it. DDQ-DETR selects its
-decoder's queries with NMS (a data-dependent number of boxes, read on the host): its region ends with the encoder,
-and its decoder and head run eagerly with the post-processing (under autocast on float32 NMS inputs: the
-``float32_nms`` fast path, which :func:`deform_plugin.apis.enable_fast_inference` turns on). Grounding-DINO's text
-side (the prompt's tokens and positive maps, BERT) runs eagerly before the region, whose inputs then include the text
-tensors; their shapes are part of a graph's signature (:mod:`.mmdet_grounding_inference`).
+decoder's queries with NMS: with the selection on the device (:mod:`.mmdet_fast_paths.ddq_distinct_queries`, which
+:func:`deform_plugin.apis.enable_fast_inference` turns on) its whole forward is the region, and the last layer's
+distinct queries leave it with the head's outputs; with mmdet's own (a data-dependent number of boxes, read on the
+host) its region ends with the encoder, and its decoder and head run eagerly with the post-processing.
+Grounding-DINO's text side (the prompt's tokens and positive maps, BERT) runs eagerly before the region, whose
+inputs then include the text tensors; their shapes are part of a graph's signature
+(:mod:`.mmdet_grounding_inference`).
 
 Real photos come in many sizes, and a graph serves one shape. So each input is padded up to a bucket
 (:class:`~deform_plugin.cuda_graphs.InferenceBuckets`): the DETRs take each image's size inside the padded input as
@@ -47,6 +49,8 @@ from deform_plugin.cuda_graphs import (
     canvases_from_test_pipeline,
 )
 
+from .mmdet_fast_paths.ddq_distinct_queries import (distinct_query_rows, restore_distinct_query_rows,
+                                                    selects_distinct_queries_sync_free)
 from .mmdet_fast_paths.graphed_inputs import image_sizes_tensor
 from .mmdet_fast_paths.graphed_training import detr_decoder, detr_encoder
 from .mmdet_grounding_inference import grounding_predict_split
@@ -90,6 +94,18 @@ def _decoder_and_postprocess(detector, outs, batch_data_samples, rescale, contex
     return _detr_postprocess(detector, outs, batch_data_samples, rescale)
 
 
+def _ddq_region(detector, batch_inputs, image_sizes):
+    # DDQ-DETR with its distinct queries selected on the device: the whole forward; the distinct queries that the
+    # head's post-processing reads leave with its outputs.
+    return _detr_region(detector, batch_inputs, image_sizes), distinct_query_rows(detector)
+
+
+def _ddq_postprocess(detector, outs, batch_data_samples, rescale, context=None):
+    head_outputs, rows = outs
+    restore_distinct_query_rows(detector, rows)
+    return _detr_postprocess(detector, head_outputs, batch_data_samples, rescale)
+
+
 def _maskformer_region(detector, batch_inputs, image_sizes=None):
     # Mask2Former's forward reads the pixels only (mmdet 3.3.0 does not mask its padding).
     return detector.panoptic_head(detector.extract_feat(batch_inputs), None)
@@ -127,6 +143,8 @@ def _split_predict(detector) -> Optional[_Split]:
         if not isinstance(detector, DDQDETR):
             return _Split(_detr_region, _detr_postprocess, True)
         if type(detector).forward_transformer is DINO.forward_transformer:
+            if selects_distinct_queries_sync_free(detector):
+                return _Split(_ddq_region, _ddq_postprocess, True)
             return _Split(_encoder_region, _decoder_and_postprocess, True)
     if isinstance(detector, MaskFormer) and type(detector).predict is MaskFormer.predict:
         import mmdet

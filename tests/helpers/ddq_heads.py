@@ -148,3 +148,19 @@ def flat_losses(losses):
         else:
             flat[name] = value
     return flat
+
+
+def ddq_training_batch():
+    """Two images of 96 x 128 (the second smaller inside the padded batch) with 3 and 5 ground-truth boxes: float32
+    inputs and their samples."""
+    import stock_worker
+    from mmengine.structures import InstanceData
+    inputs, samples = stock_worker.detection_inputs(batch=2, height=96, width=128)
+    generator = torch.Generator().manual_seed(1)
+    for sample, num_gts in zip(samples, (3, 5)):
+        height, width = sample.metainfo["img_shape"]
+        centre = torch.rand(num_gts, 2, generator=generator) * 0.6 + 0.2
+        half = torch.rand(num_gts, 2, generator=generator) * 0.15 + 0.05
+        sample.gt_instances = InstanceData(bboxes=torch.cat([centre - half, centre + half], 1) * torch.tensor(
+            [width, height, width, height]), labels=torch.randint(0, 80, (num_gts,), generator=generator))
+    return inputs.float(), samples

@@ -29,6 +29,7 @@ LIMITS = {"fp64": (1e-10, 1e-8), "fp32": (1e-4, 5e-3), "fp16": (5e-3, 2e-2), "bf
 DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 MSDA_DTYPES = ("fp32", "fp16", "bf16", "fp64")
 SDPA_DTYPES = ("fp32", "fp16", "bf16")  # the Triton kernels of deform_sdpa take no float64
+NMS_DTYPES = ("fp32",)  # greedy NMS computes in float32 whatever its inputs
 
 
 @dataclass
@@ -376,9 +377,36 @@ def _sdpa_non_finite_checks(shape, inputs, dtype, device, limit) -> List[Check]:
     return checks
 
 
+# (rows, boxes, max_kept): odd sizes; the last walks past its kept boxes' 1024 lanes' worth of visits.
+NMS_SHAPES = ((2, 37, 10), (3, 301, 64), (1, 3001, 900))
+TINY_NMS_SHAPES = ((2, 13, 5),)
+
+
+def nms_checks(dtype_name: str, device, tiny: bool = False) -> List[Check]:
+    """Greedy NMS on Triton against its reference: kept indices and counts equal, with and without a valid mask."""
+    from deform_plugin.ops import greedy_nms_first_kept, greedy_nms_first_kept_reference
+
+    checks: List[Check] = []
+    for rows, count, max_kept in TINY_NMS_SHAPES if tiny else NMS_SHAPES:
+        generator = torch.Generator().manual_seed(rows * count)
+        corner = torch.rand(rows, count, 2, generator=generator) * 64
+        boxes = torch.cat([corner, corner + 4 + torch.rand(rows, count, 2, generator=generator) * 28], -1)
+        scores = torch.rand(rows, count, generator=generator)
+        for valid in (None, torch.rand(rows, count, generator=generator) < 0.7):
+            expected = greedy_nms_first_kept_reference(boxes, scores, valid, 0.5, max_kept)
+            got = greedy_nms_first_kept(boxes.to(device), scores.to(device),
+                                        None if valid is None else valid.to(device), 0.5, max_kept, backend="triton")
+            name = f"{rows}x{count} keep {max_kept}{'' if valid is None else ' masked'}"
+            for part, actual, reference in zip(("kept", "count"), got, expected):
+                wrong = int((actual.cpu() != reference).sum())
+                checks.append(Check(f"{name} {part}: entries unequal to the reference", float(wrong), 0.0))
+    return checks
+
+
 # kind -> (checks(dtype_name, device, tiny), dtypes)
 KERNEL_CASES: Dict[str, Tuple[Callable[..., List[Check]], Tuple[str, ...]]] = {
     "msda": (msda_checks, MSDA_DTYPES),
     "msda-fused": (fused_msda_checks, MSDA_DTYPES),
     "sdpa": (sdpa_checks, SDPA_DTYPES),
+    "nms": (nms_checks, NMS_DTYPES),
 }

@@ -19,7 +19,7 @@ def test_the_cases_cover_every_kernel_in_each_dtype():
     cases = targets.all_cases()
     assert {"msda:fp32", "msda:fp16", "msda:bf16", "msda:fp64", "msda-fused:bf16", "msda-fused:fp64", "sdpa:fp16",
             "graph-train:bf16", "graph-infer:fp32"} <= set(cases)
-    assert "sdpa:fp64" not in cases and len(cases) == 15
+    assert "sdpa:fp64" not in cases and "nms:fp32" in cases and len(cases) == 16
     assert targets.is_graph_case("graph-train:fp32") and not targets.is_graph_case("msda-fused:fp32")
     for spec, message in [("msda", "msda runs in"), ("attention:fp32", "the kind must be one of"),
                           ("graph-infer:fp16", "graph-infer runs in fp32, bf16, got 'fp16'")]:
@@ -51,6 +51,14 @@ def test_msda_runs_end_to_end_in_the_interpreter_with_poisoned_allocations(tmp_p
     assert any("deterministic backward bitwise repeatable" in name for name in names)
     assert any("non-finite locations" in name for name in names)
     assert "case msda:fp32: 13/13 checks passed" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(ON_GPU, reason="the GPU tests below run every case natively")
+def test_nms_runs_end_to_end_in_the_interpreter_with_poisoned_allocations(tmp_path):
+    out = tmp_path / "checks.json"
+    assert targets.main(["nms:fp32", "--device", "cpu", "--tiny", "--poison", "--json", str(out)]) == 0
+    checks = json.loads(out.read_text())["cases"]["nms:fp32"]["checks"]
+    assert all(check["passed"] for check in checks) and len(checks) == 4  # kept and count, with and without a mask
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below run every case natively")

@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from op_devices import DEVICE, HAS_CUDA, needs_triton
 
-HAS_CUDA = torch.cuda.is_available()
-if not HAS_CUDA:
-    # Normally conftest.py has done this already; it only matters if triton is not imported yet.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from deform_plugin.ops.deform_sdpa import deform_sdpa, deform_sdpa_reference
 
-from deform_plugin.ops.backend import triton_unavailable_reason  # noqa: E402
-from deform_plugin.ops.deform_sdpa import deform_sdpa, deform_sdpa_reference  # noqa: E402
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-TRITON_REASON = triton_unavailable_reason(DEVICE)
-needs_triton = pytest.mark.skipif(TRITON_REASON is not None, reason=f"Triton cannot run: {TRITON_REASON}")
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 needs_mmengine = pytest.mark.skipif(importlib.util.find_spec("mmengine") is None, reason="mmengine not installed")
 
