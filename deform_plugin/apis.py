@@ -38,12 +38,12 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
     Turns on the fast paths that keep a forward free of host syncs (``sync_free_forward``), the SDPA attention
     bricks and, for DDQ-DETR, its NMS in float32 (``float32_nms``: it runs under autocast; a no-op in float32) and
     its distinct queries selected on the device with fixed shapes (``'sync_free_distinct_queries'``, so that its
-    decoder is replayed with the rest), then replays each input shape's forward from a CUDA graph (:class:`GraphInference`): inputs are padded to
-    ``buckets`` (default: 32 px steps, borrowing a captured shape of at most 15% more pixels; None: no padding;
-    :func:`throughput_buckets` for sizes that rarely repeat, with more padding), a shape is captured once it
-    recurs, and shapes beyond the ``policy``'s caps run eagerly (default: captured at the second call, at most 16
-    graphs). On a CPU the model runs as before. Deformable-DETR and DINO pad their feature maps instead of the
-    image by default (``feature_bucket_size``).
+    decoder is replayed with the rest), then replays each input shape's forward from a CUDA graph
+    (:class:`GraphInference`): inputs are padded to ``buckets`` (default: 32 px steps, borrowing a captured shape of
+    at most 15% more pixels; None: no padding; :func:`throughput_buckets` for sizes that rarely repeat, with more
+    padding), a shape is captured once it recurs, and shapes beyond the ``policy``'s caps run eagerly (default:
+    captured at the second call, at most 16 graphs). On a CPU the model runs as before. Deformable-DETR and DINO pad
+    their feature maps instead of the image by default (``feature_bucket_size``).
 
     For a model on the GPU, torch's CPU threads are lowered to ``cpu_threads`` (default 4; None keeps them;
     ``OMP_NUM_THREADS``, where set, wins): with one thread per core, torch's idle OpenMP workers spin on the cores
@@ -78,9 +78,10 @@ def enable_fast_inference(model, policy: Optional[CapturePolicy] = None, buckets
         raise ValueError(f"enable_fast_inference: cudnn_v7_api must be None, True or False, got {cudnn_v7_api!r}")
     model.eval()
     # float32_nms only where there is a DDQ-DETR NMS to change: elsewhere it would log that it changes nothing.
+    ddq = has_ddq_nms(model)
     changed: Dict[str, object] = dict(apply_fast_paths(model, sdpa_attention=True, sync_free_forward=True,
-                                                       float32_nms=has_ddq_nms(model)))
-    if has_ddq_nms(model):
+                                                       float32_nms=ddq))
+    if ddq:
         # DDQ-DETR's distinct queries selected on the device: its whole forward becomes one graph region.
         changed["sync_free_distinct_queries"] = enable_sync_free_distinct_queries(model)
     if feature_bucket_size is not None and supports_feature_buckets(model):

@@ -16,9 +16,10 @@ whose graphs serve every size of a bucket (the detections are the unpadded image
 to a bucket (32 px steps), whose forward is replayed from a CUDA graph once it recurs; a size seen once runs
 eagerly, never paying a capture. ``--canvas`` pads an image whose bucket has no graph into the test pipeline's
 largest size (for sizes that rarely repeat; more padding); ``--no-buckets`` keeps mmdet's padding (a graph per exact
-size); both pad images for every detector. ``--eager`` runs mmdet's plain inference instead, for comparison. Graph runs select cuDNN's v7 convolution API, whose planning at each new input size is far
-cheaper, for replays about 1 ms slower (``deform_plugin/conv_planning.py`` has both figures); ``--cudnn-api v8``
-keeps PyTorch's default v8 API (for folders of one image size), ``--cudnn-api v7`` selects v7 for ``--eager`` too.
+size); both pad images for every detector. ``--eager`` runs mmdet's plain inference instead, for comparison. Graph
+runs select cuDNN's v7 convolution API, whose planning at each new input size is far cheaper, for replays about 1 ms
+slower (``deform_plugin/conv_planning.py`` has both figures); ``--cudnn-api v8`` keeps PyTorch's default v8 API (for
+folders of one image size), ``--cudnn-api v7`` selects v7 for ``--eager`` too.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ the fallback for configurations this does not mirror (another NMS type, class-ag
 """
 from __future__ import annotations
 
+import functools
 import types
 from typing import Optional
 
@@ -31,6 +32,8 @@ import torch
 from torch import nn
 
 from deform_plugin.ops import greedy_nms_first_kept
+
+from .ddq_nms import method_with_float32_nms
 
 __all__ = ["distinct_query_rows", "enable_sync_free_distinct_queries", "nms_boxes_like_batched_nms",
            "selects_distinct_queries_sync_free"]
@@ -97,19 +100,12 @@ def _gather_rows(values: torch.Tensor, index: torch.Tensor, present: torch.Tenso
     return torch.where(present[..., None], rows, torch.zeros_like(rows))
 
 
-_training_pre_decoder = None
-
-
+@functools.cache
 def _stock_pre_decoder_with_float32_nms():
     # Training keeps mmdet's method, its NMS in float32 (float32_nms: a no-op in float32, and it runs under
     # autocast where mmdet's fails).
-    global _training_pre_decoder
-    if _training_pre_decoder is None:
-        from mmdet.models.detectors import DDQDETR
-
-        from .ddq_nms import _with_float32_nms
-        _training_pre_decoder = _with_float32_nms(DDQDETR.pre_decoder)
-    return _training_pre_decoder
+    from mmdet.models.detectors import DDQDETR
+    return method_with_float32_nms(DDQDETR.pre_decoder)
 
 
 def pre_decoder_sync_free(self, memory: torch.Tensor, memory_mask: torch.Tensor, spatial_shapes: torch.Tensor,
@@ -160,8 +156,8 @@ def selects_distinct_queries_sync_free(detector) -> bool:
 
 def enable_sync_free_distinct_queries(model: nn.Module) -> int:
     """Give every DDQ-DETR of ``model`` whose classes keep mmdet's ``pre_decoder`` and ``select_distinct_queries``
-    (``float32_nms``' instance methods are replaced: this pair decides in float32 too), and whose ``dqs_cfg`` this module mirrors, the sync-free pair (see the module); returns
-    how many detectors changed."""
+    (``float32_nms``' instance methods are replaced: this pair decides in float32 too), and whose ``dqs_cfg`` this
+    module mirrors, the sync-free pair (see the module); returns how many detectors changed."""
     from mmdet.models.detectors import DDQDETR
     from mmdet.models.layers import DDQTransformerDecoder
     changed = 0

@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-__all__ = ["enable_float32_nms", "float32_batched_nms", "has_ddq_nms"]
+__all__ = ["enable_float32_nms", "float32_batched_nms", "has_ddq_nms", "method_with_float32_nms"]
 
 
 def _at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def float32_batched_nms(batched_nms: Callable) -> Callable:
     return batched_nms_in_float32
 
 
-def _with_float32_nms(method: types.FunctionType) -> types.FunctionType:
+def method_with_float32_nms(method: types.FunctionType) -> types.FunctionType:
     """``method``'s own code with its global ``batched_nms`` the one of :func:`float32_batched_nms`.
 
     Its other globals are those of its module when the switch is turned on (a function's globals must be a dict).
@@ -89,7 +89,7 @@ def enable_float32_nms(model: nn.Module) -> int:
         rebuilt = None
         for module in model.modules():
             if isinstance(module, stock_class) and getattr(type(module), name) is method and name not in vars(module):
-                rebuilt = rebuilt or _with_float32_nms(method)
+                rebuilt = rebuilt or method_with_float32_nms(method)
                 setattr(module, name, types.MethodType(rebuilt, module))
                 changed += 1
     return changed
