@@ -49,7 +49,7 @@ def nms_boxes_like_batched_nms(boxes: torch.Tensor, valid: Optional[torch.Tensor
     if valid is None:
         largest = boxes.amax(dim=(1, 2), keepdim=True)
     else:
-        largest = torch.where(valid[..., None], boxes, boxes.new_tensor(float("-inf"))).amax(dim=(1, 2), keepdim=True)
+        largest = torch.where(valid[..., None], boxes, float("-inf")).amax(dim=(1, 2), keepdim=True)
         largest = torch.where(torch.isfinite(largest), largest, torch.zeros_like(largest))  # no valid box at all
     return (boxes + (largest + 1)).float()
 

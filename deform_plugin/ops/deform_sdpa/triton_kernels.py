@@ -34,6 +34,19 @@ def _keep_moderate_tiles(configs, named_args, **kwargs):
 
 
 @triton.jit
+def _sum_of_products(a, b, mask, axis: tl.constexpr):
+    """``tl.sum(a * b, axis)`` with each product rounded before the threads add them up (zero where ``mask`` is off).
+
+    Left to itself the compiler fuses a thread's own product into the first cross-thread addition (an FMA: its own
+    product unrounded, its partner's rounded), so the threads that each end up holding the sum hold values a few
+    ulps apart; when the sum then moves to another layout through shared memory they write different values to the
+    same word (a write-write race that compute-sanitizer racecheck reports; triton-lang/triton#7264). The select on
+    ``mask``, a runtime value the compiler cannot fold, stands between the multiply and the addition.
+    """
+    return tl.sum(tl.where(mask, a * b, 0.0), axis=axis)
+
+
+@triton.jit
 def _sample_geometry(coords_ptr, coord_offsets, sample_mask, width, height):
     """Bilinear setup of a block of samples: validity, top-left corner and fractional offsets in pixels."""
     x = tl.load(coords_ptr + coord_offsets, mask=sample_mask, other=0.0).to(tl.float32)
@@ -134,7 +147,7 @@ def deform_sdpa_forward_kernel(
         v01 = _load_rows(v_ptr, row_01, in_01, offs_d, mask_d, EVEN_D)
         v10 = _load_rows(v_ptr, row_10, in_10, offs_d, mask_d, EVEN_D)
         v11 = _load_rows(v_ptr, row_11, in_11, offs_d, mask_d, EVEN_D)
-        scores = tl.sum(sampled_key * q[None, :], 1)
+        scores = _sum_of_products(sampled_key, q[None, :], mask_t[:, None] & mask_d[None, :], 1)
         scores = tl.where(mask_t, scores, float("-inf"))
         # Every block holds at least one real sample, so the new maximum is finite.
         new_max = tl.maximum(running_max, tl.max(scores, 0))
@@ -157,7 +170,9 @@ def _corner_backward_load(k_ptr, v_ptr, rows, inside, offs_d, mask_d, q, grad_ou
     """One corner's key tile, ``q . k_corner`` and ``grad_out . v_corner``."""
     key = _load_rows(k_ptr, rows, inside, offs_d, mask_d, EVEN_D)
     value = _load_rows(v_ptr, rows, inside, offs_d, mask_d, EVEN_D)
-    return key, tl.sum(key * q[None, :], 1), tl.sum(value * grad_out[None, :], 1)
+    tile_mask = inside[:, None] & mask_d[None, :]
+    return (key, _sum_of_products(key, q[None, :], tile_mask, 1),
+            _sum_of_products(value, grad_out[None, :], tile_mask, 1))
 
 
 @triton.jit
@@ -207,7 +222,7 @@ def deform_sdpa_backward_kernel(
     grad_out = tl.load(grad_out_ptr + row * head_dim + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     out = tl.load(out_ptr + row * head_dim + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     # d(loss)/d(score_t) = p_t * (grad_out . v_t - sum_t' p_t' grad_out . v_t'), and the sum is grad_out . out.
-    delta = tl.sum(grad_out * out, 0)
+    delta = _sum_of_products(grad_out, out, mask_d, 0)
     lse = tl.load(lse_ptr + row)
 
     dq = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -233,7 +248,7 @@ def deform_sdpa_backward_kernel(
         grad_scores = probs * (grad_probs - delta) * sm_scale  # gradient of q . k_t before scaling
 
         sampled_key = (w00[:, None] * k00 + w01[:, None] * k01 + w10[:, None] * k10 + w11[:, None] * k11)
-        dq += tl.sum(grad_scores[:, None] * sampled_key, 0)
+        dq += _sum_of_products(grad_scores[:, None], sampled_key, mask_t[:, None] & mask_d[None, :], 0)
 
         _corner_backward_scatter(dk_ptr, dv_ptr, row_00, in_00, offs_d, mask_d, grad_scores * w00, probs * w00, q,
                                  grad_out, EVEN_D)

@@ -19,6 +19,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _sum_of_products(a, b, mask, axis: tl.constexpr):
+    """``tl.sum(a * b, axis)`` with each product rounded before the threads add them up (zero where ``mask`` is off).
+
+    Left to itself the compiler fuses a thread's own product into the first cross-thread addition (an FMA: its own
+    product unrounded, its partner's rounded), so the threads that each end up holding the sum hold values a few
+    ulps apart; when the sum then moves to another layout through shared memory they write different values to the
+    same word (a write-write race that compute-sanitizer racecheck reports; triton-lang/triton#7264). The select on
+    ``mask``, a runtime value the compiler cannot fold, stands between the multiply and the addition.
+    """
+    return tl.sum(tl.where(mask, a * b, 0.0), axis=axis)
+
+
+@triton.jit
 def _softmax_stats(logit_ptr, sample_base, q_mask,
                    NUM_LP: tl.constexpr, BLOCK_LP: tl.constexpr, ACC_DTYPE: tl.constexpr):
     # The L*P logits of one (query, head) are contiguous: one [BLOCK_Q, BLOCK_LP] tile gives max and sum at once.
@@ -268,7 +281,7 @@ def msda_backward_kernel(
                 corner_mask = tile_mask & inside[:, None]
                 rows = tl.load(value_ptr + row_offset, mask=corner_mask, other=0.0).to(ACC_DTYPE)
                 if FUSED:
-                    dot = tl.sum(grad_out * rows, axis=1)
+                    dot = _sum_of_products(grad_out, rows, corner_mask, 1)
                     grad_weight += (wx * wy) * dot
                     grad_frac_x += (sign_x * wy) * dot
                     grad_frac_y += (sign_y * wx) * dot
@@ -286,9 +299,9 @@ def msda_backward_kernel(
                     tl.atomic_add(grad_value_ptr + row_offset, coef[:, None] * grad_out, mask=corner_mask,
                                   sem="relaxed")
             if not FUSED:
-                grad_weight = tl.sum(grad_out * sampled, axis=1)
-                grad_frac_x = tl.sum(grad_out * d_frac_x, axis=1)
-                grad_frac_y = tl.sum(grad_out * d_frac_y, axis=1)
+                grad_weight = _sum_of_products(grad_out, sampled, tile_mask, 1)
+                grad_frac_x = _sum_of_products(grad_out, d_frac_x, tile_mask, 1)
+                grad_frac_y = _sum_of_products(grad_out, d_frac_y, tile_mask, 1)
             # Chain rule through pixel = loc * size - 0.5; zero where the sample was not taken.
             grad_pixel_x = tl.where(taken, weight * grad_frac_x, 0.0)
             grad_pixel_y = tl.where(taken, weight * grad_frac_y, 0.0)
@@ -347,7 +360,7 @@ def msda_backward_kernel(
         lp_offset = sample_base[:, None] + lp_cols[None, :]
         logits = tl.load(weight_ptr + lp_offset, mask=lp_mask, other=float("-inf")).to(ACC_DTYPE)
         weights = tl.exp(logits - row_max[:, None]) * inv_sum[:, None]
-        weighted_sum = tl.sum(weights * grad_weights, axis=1)
+        weighted_sum = _sum_of_products(weights, grad_weights, lp_mask, 1)
         tl.store(grad_weight_ptr + lp_offset, weights * (grad_weights - weighted_sum[:, None]), mask=lp_mask)
         grad_x = tl.load(offset_scratch_ptr + (lp_rows * 2) * num_queries + query[:, None], mask=lp_mask, other=0.0)
         grad_y = tl.load(offset_scratch_ptr + (lp_rows * 2 + 1) * num_queries + query[:, None], mask=lp_mask,
@@ -386,6 +399,6 @@ def msda_grad_value_segments_kernel(
         query_row = entry // entries_per_query_row
         grad_out = tl.load(grad_out_ptr + query_row[:, None] * head_dim + channel[None, :],
                            mask=entry_mask[:, None] & channel_mask[None, :], other=0.0).to(ACC_DTYPE)
-        acc += tl.sum(coef[:, None] * grad_out, axis=0)
+        acc += _sum_of_products(coef[:, None], grad_out, entry_mask[:, None] & channel_mask[None, :], 0)
         chunk += BLOCK_E
     tl.store(grad_value_ptr + row * head_dim + channel, acc.to(grad_value_ptr.dtype.element_ty), mask=channel_mask)

@@ -3,10 +3,11 @@
 For each row ``b`` of a batch, independently:
 
 1. Visit order: the boxes in the order of
-   ``torch.sort(torch.where(valid, scores.float(), -inf), dim=-1, descending=True)`` (:func:`visit_order`).
-   Exactly tied scores are visited in whatever order that sort gives them, which another sort (another device,
-   another PyTorch version, a stable sort) may not reproduce: tied boxes may then be kept in another order, or,
-   where they overlap, another of them kept. NaN scores sort first, as ``torch.sort`` places them.
+   ``torch.sort(torch.where(valid, scores.float(), -inf), dim=-1, descending=True, stable=True)``
+   (:func:`visit_order`): exactly tied scores in index order, so that every device visits them alike (an unstable
+   sort orders ties differently on a CPU and a GPU, and overlapping tied boxes would then keep another box). NaN
+   scores sort first, as ``torch.sort`` places them. mmcv's NMS sorts without ``stable``; it can differ from this
+   only among exactly tied scores.
 2. Greedy pass: an invalid box (``valid`` False) is never kept and never suppresses. A visited valid box is kept
    unless some box kept before it suppresses it; the pass stops once ``max_kept`` boxes are kept.
 3. Kept box ``a`` suppresses box ``b`` when, in float32,
@@ -45,7 +46,7 @@ def visit_order(scores: torch.Tensor, valid: Optional[torch.Tensor]) -> torch.Te
     key = scores.float()
     if valid is not None:
         key = torch.where(valid, key, torch.full_like(key, -float("inf")))
-    return torch.sort(key, dim=-1, descending=True).indices
+    return torch.sort(key, dim=-1, descending=True, stable=True).indices
 
 
 def suppressed_by(kept_boxes: torch.Tensor, box: torch.Tensor, iou_threshold: torch.Tensor) -> torch.Tensor:
