@@ -9,7 +9,10 @@ any block, head_dim below its padded block, int32 and int64 level tables, points
 - ``msda-fused:DTYPE`` (:func:`deform_plugin.ops.fused_multi_scale_deformable_attn`): reference points (2-d) and
   boxes (4-d), with and without the reference points' gradient, and the deterministic backward;
 - ``sdpa:DTYPE`` (:func:`deform_plugin.ops.deform_sdpa`): the forward, the backward with and without the coordinates'
-  gradient (head_dim padded and not), and non-finite coordinates.
+  gradient (head_dim padded and not), and non-finite coordinates;
+- ``nms:fp32`` (:func:`deform_plugin.ops.greedy_nms_first_kept`): kept indices and counts equal to the reference's;
+- ``control:DTYPE``: no code of ours (a cuBLAS GEMM, then PyTorch's elementwise multiply reading its output), so
+  that what a tool reports there is seen to belong to the tool or the libraries, not to the kernels.
 
 The float64 reference runs on the CPU (the sanitizer then watches our kernels and the few PyTorch ones around
 them). A check fails where a result is not finite or its relative error (Frobenius norm) exceeds the dtype's limit.
@@ -30,6 +33,7 @@ DTYPES = {"fp64": torch.float64, "fp32": torch.float32, "fp16": torch.float16, "
 MSDA_DTYPES = ("fp32", "fp16", "bf16", "fp64")
 SDPA_DTYPES = ("fp32", "fp16", "bf16")  # the Triton kernels of deform_sdpa take no float64
 NMS_DTYPES = ("fp32",)  # greedy NMS computes in float32 whatever its inputs
+CONTROL_DTYPES = ("fp32", "bf16")
 
 
 @dataclass
@@ -403,10 +407,28 @@ def nms_checks(dtype_name: str, device, tiny: bool = False) -> List[Check]:
     return checks
 
 
+def control_checks(dtype_name: str, device, tiny: bool = False) -> List[Check]:
+    """The control: ``F.linear`` (cuBLAS on a GPU) and an elementwise multiply of its output, against float64. On an
+    H200, initcheck names the multiply in bf16 (it does not see the writes of cuBLAS's bf16 GEMMs) and nothing in
+    float32: the same report on one of our kernels reading a GEMM's output is the tool's, not a read of unwritten
+    memory."""
+    dtype = DTYPES[dtype_name]
+    generator = torch.Generator().manual_seed(3)
+    rows = 8 if tiny else 4096
+    inputs = rounded(torch.randn(rows, 256, generator=generator, dtype=torch.float64), dtype)
+    weight = rounded(torch.randn(128, 256, generator=generator, dtype=torch.float64), dtype)
+    product = torch.nn.functional.linear(inputs.to(device, dtype), weight.to(device, dtype))
+    checks: List[Check] = []
+    compare(checks, f"linear {rows}x256 by 256x128, then times 2", (product * 2.0).double(),
+            torch.nn.functional.linear(inputs, weight) * 2.0, LIMITS[dtype_name][0])
+    return checks
+
+
 # kind -> (checks(dtype_name, device, tiny), dtypes)
 KERNEL_CASES: Dict[str, Tuple[Callable[..., List[Check]], Tuple[str, ...]]] = {
     "msda": (msda_checks, MSDA_DTYPES),
     "msda-fused": (fused_msda_checks, MSDA_DTYPES),
     "sdpa": (sdpa_checks, SDPA_DTYPES),
     "nms": (nms_checks, NMS_DTYPES),
+    "control": (control_checks, CONTROL_DTYPES),
 }

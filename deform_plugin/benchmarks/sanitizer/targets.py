@@ -6,6 +6,7 @@ Cases (``KIND:DTYPE``):
     msda-fused:{fp32,fp16,bf16,fp64}  the fused MSDA op, reference points and boxes
     sdpa:{fp32,fp16,bf16}             deform_sdpa forward and backward
     nms:fp32                          greedy NMS with fixed-shape outputs (it computes in float32)
+    control:{fp32,bf16}               no code of ours: a cuBLAS GEMM and an elementwise multiply (the tool's baseline)
     graph-train:{fp32,bf16}           a small DINO's training steps: eager, captured, replayed (detector_cases)
     graph-infer:{fp32,bf16}           a small DINO's graph inference: eager, captured, replayed
 
@@ -27,15 +28,15 @@ import sys
 import time
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-KERNEL_KINDS = ("msda", "msda-fused", "sdpa", "nms")
+KERNEL_KINDS = ("msda", "msda-fused", "sdpa", "nms", "control")
 GRAPH_KINDS = ("graph-train", "graph-infer")
 GRAPH_DTYPES = ("fp32", "bf16")
 
 
 def case_dtypes() -> Dict[str, Tuple[str, ...]]:
-    from .kernel_cases import MSDA_DTYPES, NMS_DTYPES, SDPA_DTYPES
+    from .kernel_cases import CONTROL_DTYPES, MSDA_DTYPES, NMS_DTYPES, SDPA_DTYPES
     return {"msda": MSDA_DTYPES, "msda-fused": MSDA_DTYPES, "sdpa": SDPA_DTYPES, "nms": NMS_DTYPES,
-            "graph-train": GRAPH_DTYPES, "graph-infer": GRAPH_DTYPES}
+            "graph-train": GRAPH_DTYPES, "graph-infer": GRAPH_DTYPES, "control": CONTROL_DTYPES}
 
 
 def all_cases() -> Tuple[str, ...]:

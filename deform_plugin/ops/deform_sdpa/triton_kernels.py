@@ -41,7 +41,8 @@ def _sum_of_products(a, b, mask, axis: tl.constexpr):
     product unrounded, its partner's rounded), so the threads that each end up holding the sum hold values a few
     ulps apart; when the sum then moves to another layout through shared memory they write different values to the
     same word (a write-write race that compute-sanitizer racecheck reports; triton-lang/triton#7264). The select on
-    ``mask``, a runtime value the compiler cannot fold, stands between the multiply and the addition.
+    ``mask``, a runtime value the compiler cannot fold, stands between the multiply and the addition. (MSDA's kernel
+    file has the same function: the compile worker loads that file alone, so it imports nothing of the package.)
     """
     return tl.sum(tl.where(mask, a * b, 0.0), axis=axis)
 

@@ -27,8 +27,8 @@ def greedy_nms_first_kept(boxes: torch.Tensor, scores: torch.Tensor, valid: Opti
     Args:
         boxes: ``(B, N, 4)`` boxes as x1, y1, x2, y2, any floating dtype. Every dtype computes in float32, float64
             included, so all backends agree exactly.
-        scores: ``(B, N)`` floating scores; the visit order sorts their float32 values, descending. Exactly tied
-            scores are visited in the order ``torch.sort`` gives them, which may differ between devices.
+        scores: ``(B, N)`` floating scores; the visit order sorts their float32 values, descending, exactly tied
+            scores in index order (on every device alike).
         valid: ``(B, N)`` bool or None (every box valid). An invalid box is never kept and never suppresses.
         iou_threshold: in [0, 1]. Kept box ``a`` suppresses box ``b`` when ``inter > iou_threshold * union`` in
             float32 (IoU above the threshold, tested without a division).

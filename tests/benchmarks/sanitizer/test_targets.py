@@ -19,7 +19,7 @@ def test_the_cases_cover_every_kernel_in_each_dtype():
     cases = targets.all_cases()
     assert {"msda:fp32", "msda:fp16", "msda:bf16", "msda:fp64", "msda-fused:bf16", "msda-fused:fp64", "sdpa:fp16",
             "graph-train:bf16", "graph-infer:fp32"} <= set(cases)
-    assert "sdpa:fp64" not in cases and "nms:fp32" in cases and len(cases) == 16
+    assert "sdpa:fp64" not in cases and "nms:fp32" in cases and "control:bf16" in cases and len(cases) == 18
     assert targets.is_graph_case("graph-train:fp32") and not targets.is_graph_case("msda-fused:fp32")
     for spec, message in [("msda", "msda runs in"), ("attention:fp32", "the kind must be one of"),
                           ("graph-infer:fp16", "graph-infer runs in fp32, bf16, got 'fp16'")]:
@@ -59,6 +59,20 @@ def test_nms_runs_end_to_end_in_the_interpreter_with_poisoned_allocations(tmp_pa
     assert targets.main(["nms:fp32", "--device", "cpu", "--tiny", "--poison", "--json", str(out)]) == 0
     checks = json.loads(out.read_text())["cases"]["nms:fp32"]["checks"]
     assert all(check["passed"] for check in checks) and len(checks) == 4  # kept and count, with and without a mask
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_the_control_case_checks_a_gemm_and_fails_on_a_wrong_one(dtype, monkeypatch):
+    from deform_plugin.benchmarks.sanitizer import kernel_cases
+    (check,) = targets.run_case(f"control:{dtype}", "cpu", tiny=True)
+    assert check.passed, check
+    assert check.error > 0 or dtype == "fp32", check  # bf16 rounds the product
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(kernel_cases.torch.nn.functional, "linear",
+                        lambda inputs, weight: real_linear(inputs, weight) + (1.0 if inputs.dtype != torch.float64
+                                                                             else 0.0))
+    (check,) = targets.run_case(f"control:{dtype}", "cpu", tiny=True)
+    assert not check.passed, check
 
 
 @pytest.mark.skipif(ON_GPU, reason="the GPU tests below run every case natively")

@@ -48,9 +48,9 @@ counts = {}
 shapes = torch.tensor([[8, 10], [4, 5]])
 sizes = shapes.prod(1)
 starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)[:-1]])
-# 24: a head_dim below its 32-channel block (the channel mask is live), where sm_90's compiler fuses a plain
-# tl.sum(a * b)'s products into the additions; 32: the DETRs' head_dim.
-for head_dim in (24, 32):
+# head_dim 24, below its 32-channel block (the channel mask is live): there sm_90's compiler fuses a plain
+# tl.sum(a * b)'s products into the additions (at the DETRs' 32 it happened not to).
+for head_dim in (24,):
     value = torch.zeros(1, int(sizes.sum()), 8, head_dim)
     launches = recorded_fused_launches(value, shapes, starts, torch.zeros(1, 5, 2, 2), torch.zeros(1, 5, 8, 2, 4, 2),
                                        torch.zeros(1, 5, 8, 2, 4), backward=True)
@@ -73,6 +73,5 @@ def test_the_fused_backwards_cross_thread_sums_add_rounded_products(tmp_path):
     counts = json.loads(completed.stdout.strip().splitlines()[-1])
     # The backward sums a query's channels for every sample (the softmax backward's sum too): many cross-thread
     # additions, and none of them an FMA.
-    for head_dim in (24, 32):
-        combines, fused = counts[f"msda_backward_kernel D{head_dim}"]
-        assert combines >= 50 and fused == 0, counts
+    combines, fused = counts["msda_backward_kernel D24"]
+    assert combines >= 50 and fused == 0, counts
