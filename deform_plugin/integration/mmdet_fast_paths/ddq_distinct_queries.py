@@ -17,9 +17,10 @@ a fixed-size index tensor:
 - ``select_distinct_queries`` (training and inference): the active queries are those of the first row of each
   image's mask, as mmdet reads them; the kept ones open their rows and columns, every other cell is masked.
 
-The selection is mmdet's up to two things: exactly tied scores may be visited in another order (a tie between two
-boxes that overlap beyond the threshold keeps the other one), and an IoU within float32 rounding of the threshold
-may fall the other way than mmcv's CPU kernel's ``inter / union > iou_threshold`` decides. mmdet's methods stay
+The selection is mmdet's up to two things: exactly tied scores are visited in index order, where mmcv's unstable
+sort may put another of them first (of tied boxes that overlap beyond the threshold, the other one is then kept;
+tokens without a valid proposal all tie, with one score and one box), and an IoU within float32 rounding of the
+threshold may fall the other way than mmcv's CPU kernel's ``inter / union > iou_threshold`` decides. mmdet's methods stay
 the fallback for configurations this does not mirror (another NMS type, class-agnostic NMS, a ``max_num``).
 """
 from __future__ import annotations

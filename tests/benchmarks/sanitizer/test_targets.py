@@ -69,8 +69,8 @@ def test_the_control_case_checks_a_gemm_and_fails_on_a_wrong_one(dtype, monkeypa
     assert check.error > 0 or dtype == "fp32", check  # bf16 rounds the product
     real_linear = torch.nn.functional.linear
     monkeypatch.setattr(kernel_cases.torch.nn.functional, "linear",
-                        lambda inputs, weight: real_linear(inputs, weight) + (1.0 if inputs.dtype != torch.float64
-                                                                             else 0.0))
+                        lambda inputs, weight: real_linear(inputs, weight) + (100.0 if inputs.dtype != torch.float64
+                                                                               else 0.0))
     (check,) = targets.run_case(f"control:{dtype}", "cpu", tiny=True)
     assert not check.passed, check
 
