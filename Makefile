@@ -27,10 +27,11 @@ demo: install
 	$(PY) tools/demo.py
 
 # OMP_WAIT_POLICY=PASSIVE: idle OpenMP threads sleep instead of spinning, which matters on a shared 2-core machine.
-# -n: one pytest worker per core (pytest-xdist); TEST_WORKERS=0 runs the tests in one process.
+# -n: one pytest worker per core (pytest-xdist); TEST_WORKERS=0 runs the tests in one process. --dist loadgroup:
+# a module marked xdist_group runs on one worker, so that its module-scoped fixture (a multi-process run) runs once.
 TEST_WORKERS ?= auto
 test: install
-	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m pytest tests -n $(TEST_WORKERS)
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
 
 clean:
 	rm -rf $(VENV) work_dirs .pytest_cache

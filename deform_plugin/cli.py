@@ -184,6 +184,16 @@ def enable_auto_scale_lr(cfg: Config) -> None:
     cfg.auto_scale_lr.enable = True
 
 
+def remove_shape_buckets(cfg: Config) -> bool:
+    """Drop the config's ``ShapeBucketsHook`` (``--no-shape-buckets``): training batches keep stock's padding, which
+    is exact; ``FastPathsHook`` then pads Deformable-DETR's and DINO's feature maps to buckets before the
+    transformer's graphs instead (also exact). Returns whether the config had the hook."""
+    hooks = list(cfg.get("custom_hooks") or [])
+    kept = [hook for hook in hooks if not (isinstance(hook, dict) and hook.get("type") == "ShapeBucketsHook")]
+    cfg.custom_hooks = kept
+    return len(kept) != len(hooks)
+
+
 def apply_resume(cfg: Config, resume: Optional[str]) -> None:
     """``--resume`` alone resumes from the work dir's latest checkpoint; ``--resume PATH`` from that file."""
     if resume == "auto":

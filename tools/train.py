@@ -1,7 +1,7 @@
 """Train a detector with deform_plugin loaded: mmdet 3.3.0's ``tools/train.py`` arguments and behaviour.
 
     python tools/train.py CONFIG [--work-dir DIR] [--amp | --amp-dtype {float16,bfloat16}] [--auto-scale-lr]
-                                 [--resume [CHECKPOINT]] [--cfg-options KEY=VALUE ...]
+                                 [--resume [CHECKPOINT]] [--no-shape-buckets] [--cfg-options KEY=VALUE ...]
                                  [--launcher none|pytorch|slurm|mpi]
 
 Differences from mmdet's script: ``deform_plugin`` is imported first (so mmdet imports with mmcv-lite and configs
@@ -11,6 +11,8 @@ scaler, which it does not need; fp16 with mmdet's dynamic loss scaling). Every r
 so ``--resume`` takes a checkpoint of a plain config under a ``configs/fast/`` one and the other way round (stock
 mmdet checkpoints included), optimizer and LR-scheduler state carried over by parameter name. Where the config's
 ``FastPathsHook`` compiles the Triton kernels ahead, they start compiling as soon as the Runner is built.
+``--no-shape-buckets`` trains a ``configs/fast/`` config with stock's padding: its ``ShapeBucketsHook``, the one
+inexact fast path, is dropped (docs/results.md gives what it did to mAP).
 """
 from __future__ import annotations
 
@@ -20,16 +22,19 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import logging
 import sys
 from typing import Optional, Sequence
 
 import deform_plugin  # noqa: F401  (before mmdet: installs the mmcv-lite stand-in and the checkpoint fix)
 from mmdet.utils import setup_cache_size_limit_of_dynamo
 from mmengine.config import Config
+from mmengine.logging import print_log
 from mmengine.runner import Runner
 
 from deform_plugin.cli import (AMP_DTYPES, apply_resume, build_runner, enable_amp, enable_auto_scale_lr,
-                               enable_resume_by_parameter_name, load_config, parse_with_common_arguments)
+                               enable_resume_by_parameter_name, load_config, parse_with_common_arguments,
+                               remove_shape_buckets)
 from deform_plugin.cpu_threads import configure_cpu_threads
 from deform_plugin.engine.triton_precompile import precompile_config_kernels, precompile_runner_kernels
 
@@ -46,6 +51,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--auto-scale-lr", action="store_true", help="enable automatically scaling LR")
     parser.add_argument("--resume", nargs="?", type=str, const="auto",
                         help="resume from this checkpoint; without a path, from the latest checkpoint in the work dir")
+    parser.add_argument("--no-shape-buckets", action="store_true",
+                        help="drop the config's ShapeBucketsHook: stock's padding of training batches (exact) instead "
+                        "of padding them further to shared shapes (faster, not exact)")
     return parse_with_common_arguments(parser, argv)
 
 
@@ -57,6 +65,9 @@ def build_train_config(args: argparse.Namespace) -> Config:
         enable_auto_scale_lr(cfg)
     apply_resume(cfg, args.resume)
     enable_resume_by_parameter_name(cfg)
+    if args.no_shape_buckets and not remove_shape_buckets(cfg):
+        print_log(f"--no-shape-buckets: {args.config} has no ShapeBucketsHook; its padding is stock's already",
+                  logger="current", level=logging.WARNING)
     return cfg
 
 

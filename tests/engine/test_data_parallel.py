@@ -12,6 +12,9 @@ from torch import nn
 
 from deform_plugin.engine.data_parallel import FlatGradientsDataParallel, ParameterGradientSlots
 
+# One pytest-xdist worker runs this whole module, so that its module-scoped fixture (processes) runs once.
+pytestmark = pytest.mark.xdist_group("data_parallel")
+
 
 def _batch(step, rows=4, seed=0):
     generator = torch.Generator().manual_seed(seed + 10 * step)

@@ -9,6 +9,9 @@ from torch import nn
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.engine import ShapeBucketsHook, training_size_divisor_from_config
 
+# One pytest-xdist worker runs this whole module, so that its module-scoped fixture (processes) runs once.
+pytestmark = pytest.mark.xdist_group("shape_buckets_hook")
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

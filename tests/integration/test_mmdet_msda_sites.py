@@ -13,6 +13,9 @@ import deform_plugin  # noqa: F401
 from deform_plugin.models import MultiScaleDeformableAttention as PluginMSDA
 from mmcv.ops import MultiScaleDeformableAttention as StockMSDA
 
+# One pytest-xdist worker runs this whole module, so that its module-scoped fixture (processes) runs once.
+pytestmark = pytest.mark.xdist_group("mmdet_msda_sites")
+
 ROOT = Path(__file__).resolve().parents[2]
 HELPERS = ROOT / "tests" / "helpers"
 

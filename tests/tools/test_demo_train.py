@@ -14,6 +14,9 @@ import pytest
 import torch
 from mmengine.runner.checkpoint import _load_checkpoint
 
+# One pytest-xdist worker runs this whole module, so that its module-scoped fixture (processes) runs once.
+pytestmark = pytest.mark.xdist_group("demo_train")
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_CONFIG = REPO_ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
 TRAIN_ITERS = 4
@@ -157,3 +160,22 @@ def test_demo_shortens_the_schedule_consistently():
     step = next(s for s in cfg.param_scheduler if s.type == "MultiStepLR")
     assert step.end == full // 5
     assert step.milestones == [round(0.8 * full / 5)]
+
+
+def test_no_shape_buckets_drops_only_the_bucket_hook(tmp_path, monkeypatch):
+    """``tools/train.py --no-shape-buckets`` leaves a fast config's other hooks as they are; on a config without
+    the hook it changes nothing and says so."""
+    train = _load_tool("train")
+    logged = []
+    monkeypatch.setattr(train, "print_log", lambda message, **kwargs: logged.append(message))
+    fast = REPO_ROOT / "configs" / "fast" / "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"
+    shipped = train.build_train_config(train.parse_args([str(fast), "--work-dir", str(tmp_path)]))
+    stripped = train.build_train_config(train.parse_args([str(fast), "--work-dir", str(tmp_path),
+                                                          "--no-shape-buckets"]))
+    shipped_types = [hook["type"] for hook in shipped.custom_hooks]
+    assert "ShapeBucketsHook" in shipped_types
+    assert [hook["type"] for hook in stripped.custom_hooks] == [t for t in shipped_types if t != "ShapeBucketsHook"]
+    plain = train.build_train_config(train.parse_args([str(DEMO_CONFIG), "--work-dir", str(tmp_path),
+                                                       "--no-shape-buckets"]))
+    assert "ShapeBucketsHook" not in [hook["type"] for hook in plain.get("custom_hooks", [])]
+    assert len(logged) == 1 and "has no ShapeBucketsHook" in logged[0] and str(DEMO_CONFIG) in logged[0]

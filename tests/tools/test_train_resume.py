@@ -20,6 +20,9 @@ from mmengine.runner.checkpoint import _load_checkpoint
 from deform_plugin.datasets import shapes
 from deform_plugin.engine.optimizer_state_layout import IMPLEMENTATION_KEYS
 
+# One pytest-xdist worker runs this whole module, so that its module-scoped fixture (processes) runs once.
+pytestmark = pytest.mark.xdist_group("train_resume")
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLAIN_CONFIG = REPO_ROOT / "configs" / "demo" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes.py"
 FAST_CONFIG = REPO_ROOT / "configs" / "fast" / "deformable-detr-refine_r18_tiny_1xb4-500i_shapes-fast.py"

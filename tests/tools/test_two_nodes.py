@@ -38,6 +38,7 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("bash") is None, reason="the launch scripts are bash scripts"),
     pytest.mark.skipif(not torch.distributed.is_available(), reason="this torch is built without torch.distributed"),
     pytest.mark.slow,
+    pytest.mark.xdist_group("two_nodes"),  # one worker runs the module: its two-node fixture runs once
 ]
 
 VARIANTS = {

@@ -35,7 +35,9 @@ detr_fast_paths = dict(type='FastPathsHook', sdpa_attention=True, batched_matchi
 # pipeline yields a few dozen input shapes instead of a new one per batch, each of which costs cuDNN/cuBLAS plan
 # selection and a graph capture (docs/whole_detector.md measures both sides); a shape's first 4 batches borrow a
 # larger shape that ran before (at most 1.5x its pixels) instead of paying that cost for a shape that may be rare.
-# Remove it for stock padding: FastPathsHook then pads Deformable-DETR's and DINO's feature maps (not the images) to
-# 128 px feature buckets before the transformer's graphs, which is exact (feature_bucket_size), runs the backbone at
-# each batch's own shape (captured once that shape recurs) and selects cuDNN's v7 API.
+# It moved bbox mAP on the AP-parity task (docs/results.md: up for Deformable-DETR, down by up to 0.1 for DINO fp32).
+# Remove it for stock padding (tools/train.py --no-shape-buckets): FastPathsHook then pads Deformable-DETR's and
+# DINO's feature maps (not the images) to 128 px feature buckets before the transformer's graphs, which is exact
+# (feature_bucket_size), runs the backbone at each batch's own shape (captured once that shape recurs) and selects
+# cuDNN's v7 API.
 detr_shape_buckets = dict(type='ShapeBucketsHook', size_divisor=128, borrow_until_seen=5, borrow_max_pixels=1.5)

@@ -36,17 +36,20 @@ rate step and halfway validation, the same for every row (:func:`.ap_parity_stud
 REPORT_RESERVE_S``, runs still going at ``S - REPORT_RESERVE_S`` are killed, and the report is written by ``S``.
 Rows compared at different iterations would not test parity: a run that stopped early is named in the report and
 left out of its statistics.
-``--report-only WORK_DIR`` aggregates finished runs again; ``--dry-run`` prints the plan and each derived config's
-key fields and runs nothing.
+``--report-only WORK_DIR [WORK_DIR ...]`` aggregates finished runs again; several work dirs that trained the same
+schedule make one report (stock in one device call, the fast rows in another: the first dir's first row is the
+baseline, and a run in two dirs is refused); ``--dry-run`` prints the plan and each derived config's key fields and
+runs nothing.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..common import REPO_ROOT
 from . import ap_parity_study as study_module
@@ -152,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="the report's files (default: WORK_DIR/report)")
     parser.add_argument("--progress-every", type=float, default=30.0, metavar="S")
-    parser.add_argument("--report-only", type=Path, default=None, metavar="WORK_DIR",
-                        help="aggregate the finished runs of WORK_DIR again; runs nothing")
+    parser.add_argument("--report-only", type=Path, nargs="+", default=None, metavar="WORK_DIR",
+                        help="aggregate the finished runs of WORK_DIR again, or of several work dirs that trained "
+                        "the same schedule into one report (the first one's first row is the baseline); runs nothing")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the plan and each derived config's key fields; runs nothing")
     return parser
@@ -205,16 +209,61 @@ def argument_problems(args, visible_gpus: int, check_device: bool = True) -> Lis
                          for g in args.gpus or [] if g >= visible_gpus]
     return problems
 
-def report_only(work_dir: Path, out_dir: Optional[Path]) -> int:
+# What the work dirs of one report must share: the same training and evaluation of every run.
+SHARED_PLAN_KEYS = ("device", "schedule", "eval_iterations", "decay_iteration", "auto", "val_images",
+                    "val_split_images")
+
+
+def _read_plan(work_dir: Path) -> dict:
     plan = read_json(Path(work_dir) / PLAN_FILE)
     if plan is None:
         raise ToolError(f"--report-only {str(work_dir)!r}: no {PLAN_FILE} there (is it an ap_parity --work-dir?)")
+    return plan
+
+
+def merged_plan(work_dirs: Sequence[Path]) -> Tuple[dict, List[Path]]:
+    """The plans of ``work_dirs`` as one (rows and configs in the order first met, seeds and GPUs joined) and the
+    work dir of each of its runs. A ToolError where a dir trained or evaluated otherwise than the first, or holds a
+    run that another holds too."""
+    first = Path(work_dirs[0])
+    plan = copy.deepcopy(_read_plan(first))
+    run_dirs = [first] * len(plan["runs"])
+    where = {run["name"]: first for run in plan["runs"]}
+    for work_dir in map(Path, work_dirs[1:]):
+        other = _read_plan(work_dir)
+        for key in SHARED_PLAN_KEYS:
+            if other.get(key) != plan.get(key):
+                raise ToolError(f"--report-only: {str(work_dir)!r} has another {key} than {str(first)!r} "
+                                f"({other.get(key)!r} against {plan.get(key)!r}): its runs cannot share a report")
+        for config in other["configs"]:
+            known = next((c for c in plan["configs"] if c["name"] == config["name"]), None)
+            if known is None:
+                plan["configs"].append(config)
+            elif (known.get("eval_iterations"), known.get("schedule")) != (config.get("eval_iterations"),
+                                                                            config.get("schedule")):
+                raise ToolError(f"--report-only: {config['name']} trained another schedule in {str(work_dir)!r} "
+                                f"than in {str(first)!r}: its runs cannot share a report")
+        plan["rows"] += [row for row in other["rows"] if row not in plan["rows"]]
+        plan["seeds"] = sorted(set(plan["seeds"]) | set(other["seeds"]))
+        plan["gpus"] = sorted(set(plan.get("gpus") or []) | set(other.get("gpus") or [])) or plan.get("gpus")
+        for run in other["runs"]:
+            if run["name"] in where:
+                raise ToolError(f"--report-only: run {run['name']} is in {str(where[run['name']])!r} and in "
+                                f"{str(work_dir)!r}; pass one of them")
+            where[run["name"]] = work_dir
+            plan["runs"].append(run)
+            run_dirs.append(work_dir)
+    return plan, run_dirs
+
+
+def report_only(work_dirs: Sequence[Path], out_dir: Optional[Path]) -> int:
+    plan, run_dirs = merged_plan(work_dirs)
     records = []
-    for entry in plan["runs"]:
-        record = read_json(Path(work_dir) / "runs" / entry["name"] / "run.json")
+    for entry, work_dir in zip(plan["runs"], run_dirs):
+        record = read_json(work_dir / "runs" / entry["name"] / "run.json")
         records.append(record if record is not None else dict(entry, status="no record", iterations=0,
                                                               planned_iterations=plan["schedule"]["iters"]))
-    report(plan, records, Path(out_dir) if out_dir else Path(work_dir) / "report")
+    report(plan, records, Path(out_dir) if out_dir else Path(work_dirs[0]) / "report")
     return 0
 
 def dry_run(study: Study) -> int:

@@ -7,7 +7,8 @@ cudaErrorInvalidValue (error 1) due to "..." on CUDA API call to cudaMemcpy.``, 
 goes on with indented lines (``    at msda_forward_kernel+0x1b0 in /path/triton_kernels.py:123``, ``    by thread
 (0,0,0) in block (0,0,0)``, ``    Address 0x... is out of bounds``, host frames). Two layouts of the "at" line exist:
 ``at KERNEL+0xOFFSET [in FILE:LINE]`` (CUDA 11.6 and later) and ``at 0xOFFSET in [FILE:LINE:]KERNEL`` (older). The run
-ends with ``ERROR SUMMARY: N errors`` (racecheck adds ``RACECHECK SUMMARY: ...``).
+ends with ``ERROR SUMMARY: N errors``; racecheck adds ``RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)``,
+and from compute-sanitizer 2025.3 prints only that line, whose error count then stands for the summary.
 
 Nothing is filtered: every record becomes a :class:`Finding`, classified (``memory``, ``uninitialized``, ``race``,
 ``api``, ``leak``, ``other``) so that a table can show what kind of report it is; an API error names its API call in
@@ -23,6 +24,7 @@ from typing import Dict, List, Optional
 PREFIX = "========="
 _SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+errors?")
 _RACE_SUMMARY = re.compile(r"RACECHECK SUMMARY:\s*(.*)")
+_RACE_ERRORS = re.compile(r"\((\d+)\s+errors?\b")
 # "at KERNEL+0x1b0 in FILE:LINE" (KERNEL may hold spaces, templates and arguments: demangled C++ names).
 _AT_NEW = re.compile(r"\bat (?P<kernel>.+?)\+0x[0-9a-fA-F]+(?: in (?P<location>\S.*?))?(?: \[\d+ hazards?\])?$")
 # "at 0x1b0 in FILE:LINE:KERNEL" or "at 0x1b0 in KERNEL"
@@ -150,6 +152,10 @@ def parse_sanitizer_output(text: str) -> SanitizerReport:
         current.lines.append(stripped)
         if current.kernel is None and _names_code(stripped):
             current.kernel, current.location = _kernel_from_at_line(stripped)
+    if summary is None and race_summary is not None:
+        errors = _RACE_ERRORS.search(race_summary)
+        if errors:
+            summary = int(errors.group(1))
     return SanitizerReport(summary, findings, race_summary, application_failed)
 
 

@@ -11,6 +11,7 @@ import contextlib
 import csv
 import io
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,9 @@ import torch
 from deform_plugin.benchmarks.detector import ap_parity
 from deform_plugin.benchmarks.detector.loss_curves import read_scalars
 from deform_plugin.benchmarks.detector.train_overlay import read_base_config
+
+# One pytest-xdist worker runs this whole module, so that its module-scoped fixture (processes) runs once.
+pytestmark = pytest.mark.xdist_group("ap_parity")
 
 STUDY_ITERS = 3
 STUDY_SEED = 3
@@ -102,6 +106,42 @@ def test_report_only_rebuilds_the_same_report(study, tmp_path, capsys):
     _, work, out, _, _ = study
     assert ap_parity.main(["--report-only", str(work), "--out-dir", str(tmp_path)]) == 0
     assert (tmp_path / "ap_parity.md").read_text() == (out / "ap_parity.md").read_text()
+
+
+def _split_by_row(work, tmp_path):
+    """Two copies of the study's work dir, each planning one row's runs (as two device calls would leave them)."""
+    halves = []
+    for row in ("stock:fp32", "ours:fp32"):
+        half = tmp_path / row.replace(":", "-")
+        shutil.copytree(work, half, ignore=shutil.ignore_patterns("*.pth"))
+        plan = json.loads((half / "plan.json").read_text())
+        plan["rows"] = [row]
+        plan["runs"] = [run for run in plan["runs"] if run["row"] == row]
+        (half / "plan.json").write_text(json.dumps(plan))
+        halves.append(half)
+    return halves
+
+
+def test_report_only_joins_work_dirs_into_the_report_of_one(study, tmp_path):
+    _, work, out, _, _ = study
+    stock_half, ours_half = _split_by_row(work, tmp_path)
+    assert ap_parity.main(["--report-only", str(stock_half), str(ours_half), "--out-dir", str(tmp_path / "r")]) == 0
+    assert (tmp_path / "r" / "ap_parity.md").read_text() == (out / "ap_parity.md").read_text()
+
+
+def test_report_only_refuses_work_dirs_that_cannot_share_a_report(study, tmp_path, capsys):
+    _, work, _, _, _ = study
+    stock_half, ours_half = _split_by_row(work, tmp_path)
+    with pytest.raises(SystemExit):
+        ap_parity.main(["--report-only", str(stock_half), str(work)])
+    assert f"run demo__stock-fp32__seed{STUDY_SEED} is in {str(stock_half)!r} and in {str(work)!r}" in (
+        capsys.readouterr().err)
+    plan = json.loads((ours_half / "plan.json").read_text())
+    plan["schedule"]["iters"] += 1
+    (ours_half / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(SystemExit):
+        ap_parity.main(["--report-only", str(stock_half), str(ours_half)])
+    assert f"{str(ours_half)!r} has another schedule than {str(stock_half)!r}" in capsys.readouterr().err
 
 
 def _args(*argv):

@@ -109,6 +109,30 @@ def test_racecheck_errors_and_warnings_are_both_listed():
     assert [(f.category, f.kernel) for f in hazard.findings] == [("race", "kernel()")]
 
 
+# compute-sanitizer 2025.3.1's racecheck (H200): a clean run, and a target that failed after four reports; neither
+# prints ERROR SUMMARY.
+RACECHECK_2025_CLEAN = """case msda:fp32: 39/39 checks passed in 5.4 s
+========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
+"""
+RACECHECK_2025_FAILED = """========= Error: Race reported between Read access at nvjet_sm90_tst_64x48_TNT+0xab0
+=========     and Write access at nvjet_sm90_tst_64x48_TNT+0xc10 [16 hazards]
+=========
+========= Error: process didn't terminate successfully
+========= Target application returned an error
+========= RACECHECK SUMMARY: 4 hazards displayed (4 errors, 0 warnings)
+"""
+
+
+def test_racecheck_without_error_summary_takes_its_error_count_from_the_race_summary():
+    clean = parse_sanitizer_output(RACECHECK_2025_CLEAN)
+    assert clean.error_summary == 0 and clean.clean
+    failed = parse_sanitizer_output(RACECHECK_2025_FAILED)
+    assert failed.error_summary == 4 and failed.application_failed and not failed.clean
+    assert [(f.category, f.kernel) for f in failed.findings][0] == ("race", "nvjet_sm90_tst_64x48_TNT")
+    # A race summary without an error count leaves the summary unknown: such a run is not called clean.
+    assert parse_sanitizer_output("========= RACECHECK SUMMARY: cut\n").error_summary is None
+
+
 def test_a_run_without_summary_is_not_clean():
     report = parse_sanitizer_output(MEMCHECK.split("========= ERROR SUMMARY")[0] + "Killed\n")
     assert report.error_summary is None and not report.clean and len(report.findings) == 4

@@ -15,6 +15,9 @@ from torch import nn
 from deform_plugin.cuda_graphs import CapturePolicy
 from deform_plugin.integration.mmdet_fast_paths.graphed_region import GraphedRegion
 
+# One pytest-xdist worker runs this whole module, so that its module-scoped fixture (processes) runs once.
+pytestmark = pytest.mark.xdist_group("graphed_region")
+
 
 @pytest.mark.parametrize("at_first_call", [True, False])
 def test_graphed_region_replays_equal_eager_and_accumulate_gradients(at_first_call):

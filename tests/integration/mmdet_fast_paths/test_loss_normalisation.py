@@ -11,6 +11,9 @@ from torch import nn
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
 
+# One pytest-xdist worker runs this whole module, so that its module-scoped fixture (processes) runs once.
+pytestmark = pytest.mark.xdist_group("loss_normalisation")
+
 
 _DETR_DDP_SWITCHES = {"sync-free-losses": dict(sync_free_losses=True),
                       "batched-losses": dict(sync_free_losses=True, batched_losses=True)}
