@@ -10,8 +10,8 @@ Cases: msda:{fp32,fp16,bf16,fp64}, msda-fused:{...}, sdpa:{fp32,fp16,bf16}, nms:
 graph-infer:{fp32,bf16}, and control:{fp32,bf16} (no code of ours: what a tool reports there is the tool's);
 --group-dtypes runs each kind's dtypes in one process per tool. Each case first runs natively with NaN-poisoned
 allocations (which also warms Triton's cache). Writes DIR/sanitize.md, DIR/sanitize.json and DIR/logs/. Exit
-status 0: every run clean and every check passed; 1: something reported or failed; 2: no compute-sanitizer or no GPU. The code lives in
-:mod:`deform_plugin.benchmarks.sanitizer`.
+status 0: every run clean and every check passed; 1: something reported or failed; 2: no compute-sanitizer or no
+GPU. The code lives in :mod:`deform_plugin.benchmarks.sanitizer`.
 """
 import sys
 

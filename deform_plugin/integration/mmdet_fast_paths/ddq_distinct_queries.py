@@ -20,8 +20,9 @@ a fixed-size index tensor:
 The selection is mmdet's up to two things: exactly tied scores are visited in index order, where mmcv's unstable
 sort may put another of them first (of tied boxes that overlap beyond the threshold, the other one is then kept;
 tokens without a valid proposal all tie, with one score and one box), and an IoU within float32 rounding of the
-threshold may fall the other way than mmcv's CPU kernel's ``inter / union > iou_threshold`` decides. mmdet's methods stay
-the fallback for configurations this does not mirror (another NMS type, class-agnostic NMS, a ``max_num``).
+threshold may fall the other way than mmcv's CPU kernel's ``inter / union > iou_threshold`` decides. mmdet's
+methods stay the fallback for configurations this does not mirror (another NMS type, class-agnostic NMS, a
+``max_num``).
 """
 from __future__ import annotations
 
