@@ -12,6 +12,11 @@ files it loads import only triton.
 process that will launch it (:mod:`deform_plugin.ops.background_compile`). The worker compiles it with
 ``JITFunction.preload``, Triton's own inverse of that record, so the variant lands under the cache key the
 launching process's first launch looks up.
+
+It also builds the variant's launcher: the small C extension through which Triton's NVIDIA driver launches a
+kernel of that signature. Triton builds it with the host's C compiler at a process's first launch of the kernel
+(0.35-0.6 s each on a CPU host), after the cubin is loaded, and caches it under the hash of its C source in the same
+directory; built here, the launching process's first launch finds it there too.
 """
 from __future__ import annotations
 
@@ -93,11 +98,30 @@ def exclusive(path: str):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def build_launcher(compiled, backend: str) -> bool:
+    """Build ``compiled``'s launcher into Triton's cache, as the NVIDIA driver's first launch of it would; whether it
+    was built. Without the CUDA driver library (a machine without a GPU, compiling for ``--arch``), or for another
+    backend, nothing is built and the first launch builds it."""
+    if compiled is None or backend != "cuda":
+        return False
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+        CudaLauncher(compiled.src, compiled.metadata)
+    except Exception as error:  # the launch builds what is missing: never fail the compile for it
+        # Building needs the CUDA driver library to link against, loading it that library's symbols; a launcher
+        # built but not loaded is cached all the same.
+        print(f"deform_plugin: the launcher of {compiled.name} is left to its first launch ({error!r})",
+              file=sys.stderr)
+        return False
+    return True
+
+
 def compile_job(job: dict) -> None:
-    """Compile one job's variant into Triton's on-disk cache (a cache hit where it is there already)."""
+    """Compile one job's variant, and build its launcher, into Triton's on-disk cache (cache hits where they are
+    there already)."""
     kernel = load_kernel(job["module"], job["source_file"], job["function"])
     with exclusive(job_lock_path(job)):
-        kernel.preload(job["specialization"])
+        build_launcher(kernel.preload(job["specialization"]), job["target"][0])
 
 
 def main(argv: Sequence[str]) -> int:

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -212,3 +213,57 @@ def test_a_worker_compiles_the_variant_that_tritons_own_launch_path_then_loads(t
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert completed.stdout.strip().splitlines()[-1] == "cache hits [True]"
     assert os.listdir(tmp_path / "cache")
+
+
+_LAUNCHER_CACHED = """
+import sys, sysconfig, hashlib
+from triton.backends.nvidia.driver import make_launcher
+from triton.runtime.build import platform_key
+from triton.runtime.cache import get_cache_manager
+from deform_plugin.ops import background_compile
+from deform_plugin.ops.compile_worker import use_compile_only_target
+from deform_plugin.ops.msda.precompile import MSDAVariant, compile_jobs, variant_launches
+use_compile_only_target("cuda", 90)
+variant = MSDAVariant(num_heads=1, head_dim=4, num_levels=1, num_points=1)
+(job,) = compile_jobs([variant], backward=False)
+(process,) = background_compile.start_background_compiles([job])
+assert process.wait() == 0
+(launch,) = variant_launches(variant, backward=False)
+# The launching process's own path to the variant (a cache hit), and the launcher source its driver would build.
+compiled = launch.kernel.warmup(*launch.tensors, *launch.scalars, grid=launch.grid, num_warps=launch.num_warps,
+                                num_stages=launch.num_stages)
+source = compiled.src
+arg_index = lambda name: (source.fn.arg_names.index(name),) if isinstance(name, str) else name
+constants = {arg_index(index): value for index, value in source.constants.items()}
+launcher_source = make_launcher(constants, dict(source.signature), getattr(compiled.metadata, "tensordesc_meta", None))
+key = hashlib.sha256((launcher_source + platform_key()).encode("utf-8")).hexdigest()
+name = "__triton_launcher" + sysconfig.get_config_var("EXT_SUFFIX")
+print("launcher cached", get_cache_manager(key).get_file(name) is not None)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _NVIDIA_BACKEND, reason="compiles for sm_90 with the triton wheel's NVIDIA backend and ptxas")
+@pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("clang") is None,
+                    reason="Triton builds launchers with the host's C compiler (gcc or clang), and there is none")
+def test_a_worker_builds_the_launcher_that_the_launching_process_looks_up(tmp_path):
+    """The worker also builds the variant's launcher (Triton's C extension for the kernel's signature, which a
+    process's first launch otherwise compiles with the C compiler) under the key that the launching process's
+    driver computes from its own compiled kernel. Without a GPU the CUDA driver library is a stub to link against:
+    the launcher is built and cached, and only loading it fails."""
+    stub = tmp_path / "libcuda"
+    stub.mkdir()
+    (stub / "stub.c").write_text("void deform_plugin_stub(void) {}\n")
+    compiler = shutil.which("gcc") or shutil.which("clang")
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(stub / "libcuda.so.1"), str(stub / "stub.c")], check=True)
+    environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    environment.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), TRITON_LIBCUDA_PATH=str(stub))
+    completed = subprocess.run([sys.executable, "-c", _LAUNCHER_CACHED], capture_output=True, text=True, timeout=600,
+                               env=environment, cwd=ROOT)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().splitlines()[-1] == "launcher cached True"
+
+
+def test_no_launcher_is_built_for_another_backend_or_a_failed_compile():
+    assert compile_worker.build_launcher(None, "cuda") is False
+    assert compile_worker.build_launcher(object(), "hip") is False

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="NAME",
                         help=f"model families: {', '.join(PARITY_CONFIGS)} (default: {' '.join(DEFAULT_CONFIGS)})")
     parser.add_argument("--rows", nargs="+", type=parse_row, default=[parse_row(r) for r in DEFAULT_ROWS],
-                        metavar="SIDE:MODE[:no-buckets]",
+                        metavar="SIDE:MODE[:no-buckets][:cold][:cudnn-v7]",
                         help="rows as tools/benchmark_train.py names them; the first is the baseline the target is "
                              f"checked against (default: {' '.join(DEFAULT_ROWS)})")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))

@@ -44,7 +44,7 @@ from .ap_parity_processes import (
 from .loss_curves import read_losses
 from .parity_hook import read_json, write_json_atomically
 from .train_overlay import Row, read_base_config
-from .user_path import log_tail, row_command
+from .user_path import log_tail, row_command, row_environment
 
 PLAN_FILE = "plan.json"
 # Seconds kept, before --deadline, for the evaluation after training stops, and for the report.
@@ -245,8 +245,7 @@ class Study:
 
     def run_env(self, run: PlannedRun) -> Dict[str, str]:
         env = dict(CUDA_VISIBLE_DEVICES="" if run.gpu is None else str(run.gpu), **thread_env(self.args.threads))
-        if run.row.cold_cache:
-            env["TRITON_CACHE_DIR"] = str(self.work_dir / "triton_cache" / run.name)
+        env.update(row_environment(run.row, self.work_dir / "triton_cache" / run.name) or {})
         return env
 
     # -- the runs ------------------------------------------------------------------------------------------------

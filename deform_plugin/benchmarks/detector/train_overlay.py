@@ -43,23 +43,26 @@ class Row:
     mode: str
     buckets: bool = True  # False: the config's ShapeBucketsHook removed (stock's padding)
     cold_cache: bool = False  # True: an empty Triton cache of its own (every kernel compiles in the row)
+    # True: cuDNN's v7 convolution API for the row's process (TORCH_CUDNN_V8_API_DISABLED=1): cheaper planning at a
+    # new input shape, slower kernels at a seen one (deform_plugin/conv_planning.py)
+    cudnn_v7: bool = False
 
     @property
     def label(self) -> str:
         return f"{self.side}:{self.mode}" + "".join(f":{option}" for option, on in
-                                                   (("no-buckets", not self.buckets), ("cold", self.cold_cache))
-                                                   if on)
+                                                   (("no-buckets", not self.buckets), ("cold", self.cold_cache),
+                                                    ("cudnn-v7", self.cudnn_v7)) if on)
 
     @property
     def stock(self) -> bool:
         return self.side == "stock"
 
 
-ROW_OPTIONS = ("no-buckets", "cold")
+ROW_OPTIONS = ("no-buckets", "cold", "cudnn-v7")
 
 
 def parse_row(text: str) -> Row:
-    """``SIDE:MODE[:no-buckets][:cold]``."""
+    """``SIDE:MODE[:no-buckets][:cold][:cudnn-v7]``."""
     side, mode, *options = text.split(":") + ([""] if ":" not in text else [])
     problems = []
     if side not in SIDES:
@@ -69,8 +72,10 @@ def parse_row(text: str) -> Row:
     problems += [f"option {option!r} is not one of {', '.join(ROW_OPTIONS)}" for option in options
                  if option not in ROW_OPTIONS]
     if problems:
-        raise argparse.ArgumentTypeError(f"row {text!r} is not SIDE:MODE[:no-buckets][:cold]: " + "; ".join(problems))
-    return Row(side, mode, buckets="no-buckets" not in options, cold_cache="cold" in options)
+        raise argparse.ArgumentTypeError(f"row {text!r} is not SIDE:MODE[:no-buckets][:cold][:cudnn-v7]: "
+                                         + "; ".join(problems))
+    return Row(side, mode, buckets="no-buckets" not in options, cold_cache="cold" in options,
+               cudnn_v7="cudnn-v7" in options)
 
 
 @dataclass(frozen=True)

@@ -149,8 +149,7 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
         if leftovers:
             result["error"] = "the stock overlay still names deform_plugin: " + ", ".join(leftovers)
             return result
-    # A cold row compiles every Triton kernel into an empty cache of its own, as a first run on a new machine does.
-    env = {"TRITON_CACHE_DIR": str(scratch / "triton_cache" / name)} if row.cold_cache else None
+    env = row_environment(row, scratch / "triton_cache" / name)
     returncode, wall_s = run_child(command, log_path, settings.timeout_s, env)
     result.update(returncode=returncode, wall_s=wall_s)
     if returncode is None:
@@ -162,6 +161,19 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     else:
         result.update(status="ok", timing=json.loads(timing_file.read_text()))
     return result
+
+
+def row_environment(row: Row, cold_cache_dir: Path) -> Optional[Dict[str, str]]:
+    """The variables a row's process gets besides this one's (None: none): an empty Triton cache of its own for a
+    cold row, as a first run on a new machine has; cuDNN's v7 API (read at the process's first convolution) for a
+    ``cudnn-v7`` row."""
+    env = {}
+    if row.cold_cache:
+        env["TRITON_CACHE_DIR"] = str(cold_cache_dir)
+    if row.cudnn_v7:
+        from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
+        env[CUDNN_V8_API_DISABLED] = "1"
+    return env or None
 
 
 def synthetic_source(kind: str, cache_root: Optional[Path], num_images: int, seed: int) -> CocoSource:
@@ -217,9 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("configs", nargs="+", type=Path,
                         help="config files (detection, instance or panoptic segmentation)")
     parser.add_argument("--rows", nargs="+", type=parse_row, default=[parse_row(r) for r in DEFAULT_ROWS],
-                        help="SIDE:MODE[:no-buckets][:cold] rows, SIDE in stock|ours, MODE in fp32|fp16|bf16; "
-                             "no-buckets removes the config's ShapeBucketsHook, cold gives the row an empty Triton "
-                             f"cache; the first row is the speedup baseline (default: {' '.join(DEFAULT_ROWS)})")
+                        help="SIDE:MODE[:no-buckets][:cold][:cudnn-v7] rows, SIDE in stock|ours, MODE in "
+                             "fp32|fp16|bf16; no-buckets removes the config's ShapeBucketsHook, cold gives the row an "
+                             "empty Triton cache, cudnn-v7 selects cuDNN's v7 convolution API; the first row is the "
+                             f"speedup baseline (default: {' '.join(DEFAULT_ROWS)})")
     parser.add_argument("--iters", type=int, default=Settings.iters, help="training iterations per row")
     parser.add_argument("--batch-size", type=int, default=Settings.batch_size, help="images per iteration")
     parser.add_argument("--workers", type=int, default=Settings.workers, help="dataloader workers")

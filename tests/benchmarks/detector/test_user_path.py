@@ -23,6 +23,20 @@ def test_row_commands_use_each_sides_script(tmp_path):
         user_path.parse_row("mmcv:tf32")
 
 
+def test_row_options_name_the_rows_and_set_their_process_environment(tmp_path):
+    plain = user_path.parse_row("ours:bf16")
+    assert plain.label == "ours:bf16" and user_path.row_environment(plain, tmp_path / "cold") is None
+    row = user_path.parse_row("ours:bf16:cudnn-v7:cold:no-buckets")
+    assert row.label == "ours:bf16:no-buckets:cold:cudnn-v7"
+    assert (row.buckets, row.cold_cache, row.cudnn_v7) == (False, True, True)
+    assert user_path.row_environment(row, tmp_path / "cold") == {"TRITON_CACHE_DIR": str(tmp_path / "cold"),
+                                                                 "TORCH_CUDNN_V8_API_DISABLED": "1"}
+    assert user_path.row_environment(user_path.parse_row("stock:fp32:cudnn-v7"), tmp_path) == {
+        "TORCH_CUDNN_V8_API_DISABLED": "1"}
+    with pytest.raises(Exception, match="option 'cudnn-v9' is not one of no-buckets, cold, cudnn-v7"):
+        user_path.parse_row("ours:bf16:cudnn-v9")
+
+
 def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
     ours = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2)
     assert ours[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=2"]
