@@ -67,3 +67,17 @@ def prefer_cudnn_v7_api() -> bool:
     returns whether the v7 API is selected. See the module for when it takes effect."""
     os.environ.setdefault(CUDNN_V8_API_DISABLED, "1")
     return v7_api_selected()
+
+
+def select_cudnn_api(api: str) -> Optional[str]:
+    """Select cuDNN's ``api`` ('v7' or 'v8') for this process, for the tools' ``--cudnn-api``; None, or why not: a
+    clash with ``TORCH_CUDNN_V8_API_DISABLED`` as the user set it (the user's value stays). Acts where no
+    convolution has run yet in this process."""
+    if api not in ("v7", "v8"):
+        raise ValueError(f"select_cudnn_api: api must be 'v7' or 'v8', got {api!r}")
+    user_value = os.environ.get(CUDNN_V8_API_DISABLED)
+    if user_value is not None and v7_api_selected() != (api == "v7"):
+        return (f"--cudnn-api {api}: the environment sets {CUDNN_V8_API_DISABLED}={user_value!r}, which selects "
+                f"cuDNN's {'v7' if v7_api_selected() else 'v8'} API; unset it or drop --cudnn-api")
+    os.environ[CUDNN_V8_API_DISABLED] = "1" if api == "v7" else "0"
+    return None

@@ -112,14 +112,12 @@ def save_outputs(inferencer, image: ImageFile, pixels, sample, out_dir: str, jso
 def select_cudnn_api(api: str, device: str) -> None:
     """cuDNN's ``api`` ('v7' or 'v8') for this process (read at its first convolution, which has not run yet); a
     clash with ``TORCH_CUDNN_V8_API_DISABLED`` as the user set it is a usage error."""
-    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED, v7_api_selected
-    user_value = os.environ.get(CUDNN_V8_API_DISABLED)
-    if user_value is not None and v7_api_selected() != (api == "v7"):
-        usage_error(f"--cudnn-api {api}: the environment sets {CUDNN_V8_API_DISABLED}={user_value!r}, which selects "
-                    f"cuDNN's {'v7' if v7_api_selected() else 'v8'} API; unset it or drop --cudnn-api")
+    from deform_plugin.conv_planning import select_cudnn_api as select
+    problem = select(api)
+    if problem:
+        usage_error(problem)
     if not device.startswith("cuda"):
         usage_error(f"--cudnn-api selects an API of cuDNN, a CUDA library: it needs a CUDA device, not {device!r}")
-    os.environ[CUDNN_V8_API_DISABLED] = "1" if api == "v7" else "0"
 
 
 def summary(done: int, skipped: int, seconds: float, first_seconds: float, graphs: bool) -> str:

@@ -1,8 +1,8 @@
 """Train a detector with deform_plugin loaded: mmdet 3.3.0's ``tools/train.py`` arguments and behaviour.
 
     python tools/train.py CONFIG [--work-dir DIR] [--amp | --amp-dtype {float16,bfloat16}] [--auto-scale-lr]
-                                 [--resume [CHECKPOINT]] [--no-shape-buckets] [--cfg-options KEY=VALUE ...]
-                                 [--launcher none|pytorch|slurm|mpi]
+                                 [--resume [CHECKPOINT]] [--no-shape-buckets] [--cudnn-api {v7,v8}]
+                                 [--cfg-options KEY=VALUE ...] [--launcher none|pytorch|slurm|mpi]
 
 Differences from mmdet's script: ``deform_plugin`` is imported first (so mmdet imports with mmcv-lite and configs
 may name our modules without ``custom_imports``), checkpoints load under torch >= 2.6, and ``--amp-dtype`` picks
@@ -12,7 +12,10 @@ so ``--resume`` takes a checkpoint of a plain config under a ``configs/fast/`` o
 mmdet checkpoints included), optimizer and LR-scheduler state carried over by parameter name. Where the config's
 ``FastPathsHook`` compiles the Triton kernels ahead, they start compiling as soon as the Runner is built.
 ``--no-shape-buckets`` trains a ``configs/fast/`` config with stock's padding: its ``ShapeBucketsHook``, the one
-inexact fast path, is dropped (docs/results.md gives what it did to mAP).
+inexact fast path, is dropped (docs/results.md gives what it did to mAP). ``--cudnn-api`` picks cuDNN's convolution
+API for the run (``FastPathsHook`` otherwise selects v7 without ``ShapeBucketsHook`` and keeps PyTorch's v8 with it):
+v7 plans a new input shape for a fraction of v8's host time, so short runs and first hours start faster, while
+v8's kernels replay faster at shapes seen before (docs/results.md measures both).
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ from mmengine.runner import Runner
 
 from deform_plugin.cli import (AMP_DTYPES, apply_resume, build_runner, enable_amp, enable_auto_scale_lr,
                                enable_resume_by_parameter_name, load_config, parse_with_common_arguments,
-                               remove_shape_buckets)
+                               remove_shape_buckets, set_fast_paths_cudnn_api)
+from deform_plugin.conv_planning import select_cudnn_api
 from deform_plugin.cpu_threads import configure_cpu_threads
 from deform_plugin.engine.triton_precompile import precompile_config_kernels, precompile_runner_kernels
 
@@ -54,7 +58,17 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-shape-buckets", action="store_true",
                         help="drop the config's ShapeBucketsHook: stock's padding of training batches (exact) instead "
                         "of padding them further to shared shapes (faster, not exact)")
-    return parse_with_common_arguments(parser, argv)
+    parser.add_argument("--cudnn-api", choices=("v7", "v8"),
+                        help="cuDNN's convolution API for this run (default: the config's FastPathsHook chooses: v7 "
+                        "without ShapeBucketsHook, v8 with it); v7 plans new input shapes faster, v8 runs seen ones "
+                        "faster")
+    args = parse_with_common_arguments(parser, argv)
+    if args.cudnn_api:
+        # PyTorch reads the choice at the process's first convolution: set before anything can run one.
+        problem = select_cudnn_api(args.cudnn_api)
+        if problem:
+            parser.error(problem)
+    return args
 
 
 def build_train_config(args: argparse.Namespace) -> Config:
@@ -68,6 +82,8 @@ def build_train_config(args: argparse.Namespace) -> Config:
     if args.no_shape_buckets and not remove_shape_buckets(cfg):
         print_log(f"--no-shape-buckets: {args.config} has no ShapeBucketsHook; its padding is stock's already",
                   logger="current", level=logging.WARNING)
+    if args.cudnn_api:
+        set_fast_paths_cudnn_api(cfg, args.cudnn_api == "v7")
     return cfg
 
 

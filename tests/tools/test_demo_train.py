@@ -179,3 +179,30 @@ def test_no_shape_buckets_drops_only_the_bucket_hook(tmp_path, monkeypatch):
                                                        "--no-shape-buckets"]))
     assert "ShapeBucketsHook" not in [hook["type"] for hook in plain.get("custom_hooks", [])]
     assert len(logged) == 1 and "has no ShapeBucketsHook" in logged[0] and str(DEMO_CONFIG) in logged[0]
+
+
+def test_cudnn_api_selects_the_process_api_and_the_fast_paths_hooks_choice(tmp_path, monkeypatch, capsys):
+    """``tools/train.py --cudnn-api`` sets cuDNN's API for the process (read at its first convolution) and the
+    config's FastPathsHook's ``cudnn_v7_api`` to match; a clash with the variable as the user set it is a usage
+    error naming both."""
+    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
+    train = _load_tool("train")
+    fast = REPO_ROOT / "configs" / "fast" / "dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py"
+    monkeypatch.delenv(CUDNN_V8_API_DISABLED, raising=False)
+    cfg = train.build_train_config(train.parse_args([str(fast), "--work-dir", str(tmp_path), "--cudnn-api", "v7"]))
+    assert os.environ[CUDNN_V8_API_DISABLED] == "1"
+    hooks = [hook for hook in cfg.custom_hooks if hook["type"] == "FastPathsHook"]
+    assert len(hooks) == 1 and hooks[0]["cudnn_v7_api"] is True
+    monkeypatch.delenv(CUDNN_V8_API_DISABLED)
+    cfg = train.build_train_config(train.parse_args([str(fast), "--work-dir", str(tmp_path), "--cudnn-api", "v8"]))
+    assert os.environ[CUDNN_V8_API_DISABLED] == "0"
+    assert [hook["cudnn_v7_api"] for hook in cfg.custom_hooks if hook["type"] == "FastPathsHook"] == [False]
+    unchanged = train.build_train_config(train.parse_args([str(fast), "--work-dir", str(tmp_path)]))
+    assert all("cudnn_v7_api" not in hook for hook in unchanged.custom_hooks if hook["type"] == "FastPathsHook")
+    monkeypatch.setenv(CUDNN_V8_API_DISABLED, "1")
+    with pytest.raises(SystemExit) as ended:
+        train.parse_args([str(fast), "--cudnn-api", "v8"])
+    assert ended.value.code == 2
+    assert (f"--cudnn-api v8: the environment sets {CUDNN_V8_API_DISABLED}='1', which selects cuDNN's v7 API"
+            in capsys.readouterr().err)
+    assert os.environ[CUDNN_V8_API_DISABLED] == "1"

@@ -128,7 +128,8 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     name = f"{config_path.stem}__{row.label.replace(':', '-')}"
     if settings.gpus > 1:  # the same row may also run on one GPU (--gpus 1 N)
         name += f"__{settings.gpus}gpus"
-    timing_file = scratch / "timing" / f"{name}.json"
+    # In the out dir: a benchmark cut short keeps the timing of every row that finished.
+    timing_file = out_dir / "timing" / f"{name}.json"
     work_dir = scratch / "work_dirs" / name
     overlay_path = scratch / "configs" / f"{name}.py"
     log_path = out_dir / "logs" / f"{name}.log"

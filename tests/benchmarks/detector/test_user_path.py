@@ -96,6 +96,10 @@ def test_tiny_benchmark_runs_stock_and_our_rows(tmp_path, source, monkeypatch, c
         # first, first_100 (the whole of a 3-iteration run), all, steady
         assert [w["img_per_s"] > 0 for w in result["timing"]["windows"]] == [True, True, True, True]
         assert result["timing"]["iterations_run"] == 3 and result["timing"]["images_run"] == 6
+    # Each row's timing stays in the out dir as the row ends (a benchmark cut short keeps its finished rows).
+    kept = sorted((out_dir / "timing").glob("*.json"))
+    assert [json.loads(path.read_text()) for path in kept] == sorted(
+        (stock["timing"], ours["timing"]), key=lambda timing: timing["label"] if "label" in timing else "")
     assert stock["timing"]["deform_plugin_loaded"] is False
     assert list(stock["timing"]["msda_modules"]) == ["mmcv.ops.multi_scale_deform_attn.MultiScaleDeformableAttention"]
     assert ours["timing"]["deform_plugin_loaded"] is True
