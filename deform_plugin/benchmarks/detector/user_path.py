@@ -129,7 +129,7 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     if settings.gpus > 1:  # the same row may also run on one GPU (--gpus 1 N)
         name += f"__{settings.gpus}gpus"
     # In the out dir: a benchmark cut short keeps the timing of every row that finished.
-    timing_file = out_dir / "timing" / f"{name}.json"
+    timing_file = out_dir / TIMING_FOLDER / f"{name}.json"
     work_dir = scratch / "work_dirs" / name
     overlay_path = scratch / "configs" / f"{name}.py"
     log_path = out_dir / "logs" / f"{name}.log"
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Training speed of mmdet configs along the user's path (training scripts + mmengine Runner + "
                     "the config's data pipeline on a synthetic COCO-like set), stock mmdet/mmcv and deform_plugin "
                     "rows each in its own process.")
-    parser.add_argument("configs", nargs="+", type=Path,
+    parser.add_argument("configs", nargs="*", type=Path,
                         help="config files (detection, instance or panoptic segmentation)")
     parser.add_argument("--rows", nargs="+", type=parse_row, default=[parse_row(r) for r in DEFAULT_ROWS],
                         help="SIDE:MODE[:no-buckets][:cold][:cudnn-v7] rows, SIDE in stock|ours, MODE in "
@@ -266,7 +266,36 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile", type=parse_profile_window, default=None, metavar="FIRST:STEPS",
                         help="profile STEPS iterations from iteration FIRST on every rank (torch.profiler tables "
                              "and a Chrome trace per rank in OUT_DIR/profiles/; profiled iterations run slower)")
+    parser.add_argument("--report-only", type=Path, default=None, metavar="DIR",
+                        help="train nothing: the report of the rows whose timing files an earlier run left in "
+                             "DIR/timing (a run cut short keeps its finished rows there), in the order they finished; "
+                             "pass that run's --iters, --steady-start, --batch-size and --images; the report goes to "
+                             "--out-dir")
     return parser
+
+
+TIMING_FOLDER = "timing"
+
+
+def results_from_timing_files(run_dir: Path) -> List[dict]:
+    """The rows of an earlier run from the timing files it left in ``run_dir/timing`` (named
+    ``CONFIG__ROW[__NgpuS].json``), in the order they were written: each config's first row is its baseline, as in
+    the run. A ValueError names a missing folder or a file of another shape."""
+    folder = run_dir / TIMING_FOLDER
+    files = sorted(folder.glob("*.json"), key=lambda path: (path.stat().st_mtime, path.name))
+    if not files:
+        raise ValueError(f"{folder} holds no timing files (*.json) of a training benchmark")
+    results = []
+    for path in files:
+        config_stem, separator, rest = path.stem.partition("__")
+        timing = json.loads(path.read_text())
+        if not separator or not isinstance(timing, dict) or "label" not in timing or "windows" not in timing:
+            raise ValueError(f"{path} is not a timing file of this benchmark (CONFIG__ROW.json with a label and "
+                             "windows)")
+        gpus = int(rest.rsplit("__", 1)[1][:-len("gpus")]) if rest.endswith("gpus") and "__" in rest else 1
+        results.append(dict(config=f"{config_stem}.py", row=timing["label"], gpus=gpus, status="ok", timing=timing,
+                            log=None, error=None, wall_s=None, text_encoder=None))
+    return results
 
 
 def parse_gpu_count(text: str) -> int:
@@ -307,6 +336,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.profile and sum(args.profile) - 1 > args.iters:
         raise SystemExit(f"--profile {args.profile[0]}:{args.profile[1]} ends after --iters {args.iters}")
     out_dir = args.out_dir.resolve()
+    if args.report_only is not None:
+        try:
+            results = results_from_timing_files(args.report_only)
+        except ValueError as error:
+            raise SystemExit(f"--report-only: {error}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        source = CocoSource(Path("(not regenerated)"), args.images, args.seed)
+        print(write_reports(summarize(results, settings, source), out_dir))
+        return 0
+    if not args.configs:
+        raise SystemExit("give one or more config files (or --report-only DIR)")
     out_dir.mkdir(parents=True, exist_ok=True)
     used: Dict[str, CocoSource] = {}
 

@@ -96,10 +96,6 @@ def test_tiny_benchmark_runs_stock_and_our_rows(tmp_path, source, monkeypatch, c
         # first, first_100 (the whole of a 3-iteration run), all, steady
         assert [w["img_per_s"] > 0 for w in result["timing"]["windows"]] == [True, True, True, True]
         assert result["timing"]["iterations_run"] == 3 and result["timing"]["images_run"] == 6
-    # Each row's timing stays in the out dir as the row ends (a benchmark cut short keeps its finished rows).
-    kept = sorted((out_dir / "timing").glob("*.json"))
-    assert [json.loads(path.read_text()) for path in kept] == sorted(
-        (stock["timing"], ours["timing"]), key=lambda timing: timing["label"] if "label" in timing else "")
     assert stock["timing"]["deform_plugin_loaded"] is False
     assert list(stock["timing"]["msda_modules"]) == ["mmcv.ops.multi_scale_deform_attn.MultiScaleDeformableAttention"]
     assert ours["timing"]["deform_plugin_loaded"] is True
@@ -112,3 +108,24 @@ def test_tiny_benchmark_runs_stock_and_our_rows(tmp_path, source, monkeypatch, c
     assert "| stock:fp32 | ok |" in capsys.readouterr().out  # the table is printed too
     with open(out_dir / "train_benchmark.csv") as handle:
         assert [r["row"] for r in csv.DictReader(handle)] == ["stock:fp32", "ours:fp32"]
+    # Each row's timing file stays in the out dir as the row ends, and --report-only remakes the report from them
+    # alone (a run cut short keeps its finished rows), in the order the rows ran: the first stays the baseline.
+    again = tmp_path / "again"
+    assert user_path.main(["--report-only", str(out_dir), "--iters", "3", "--first-iters", "1", "--batch-size", "2",
+                           "--images", str(SOURCE_IMAGES), "--out-dir", str(again)]) == 0
+    remade = json.loads((again / "train_benchmark.json").read_text())
+    assert [(r["config"], r["row"], r["steady_img_s"], r["speedup"]) for r in remade["rows"]] == [
+        (r["config"], r["row"], r["steady_img_s"], r["speedup"]) for r in rows]
+    with pytest.raises(SystemExit, match="holds no timing files"):
+        user_path.main(["--report-only", str(tmp_path / "nothing"), "--out-dir", str(again)])
+
+
+def test_report_only_names_a_file_that_is_not_a_timing_file(tmp_path):
+    (tmp_path / "timing").mkdir()
+    (tmp_path / "timing" / "notes.json").write_text(json.dumps({"label": "ours:bf16"}))
+    with pytest.raises(ValueError, match=r"notes.json is not a timing file of this benchmark"):
+        user_path.results_from_timing_files(tmp_path)
+    (tmp_path / "timing" / "notes.json").unlink()
+    (tmp_path / "timing" / "cfg__ours-bf16__2gpus.json").write_text(json.dumps({"label": "ours:bf16", "windows": []}))
+    (result,) = user_path.results_from_timing_files(tmp_path)
+    assert (result["config"], result["row"], result["gpus"], result["status"]) == ("cfg.py", "ours:bf16", 2, "ok")
