@@ -12,15 +12,15 @@ model_wrapper_cfg = {{_base_.fast_model_wrapper_cfg}}
 # DETR losses, the encoder's, the denoising ones and DDQAuxLoss's on the dense queries), all of a step's Hungarian
 # matching (one-to-one and DDQAuxLoss's one-to-k) and the decoder's distinct-query masks in one copy to the host
 # (batched_losses, which brings batched_matching); the level tables made on the host (sync_free_forward); on CUDA,
-# the backbone, neck and encoder replayed from CUDA graphs, one pair per input shape (cuda_graphs); the FFNs, which
-# have no dropout, recompute their hidden layer in the backward (ffn_recompute); the NMS that selects the distinct
-# queries takes its boxes and scores in float32 (float32_nms: under --amp-dtype bfloat16 the class scores are bf16,
-# on which mmcv's batched_nms of the encoder's 10000+ proposals fails; a no-op in fp32). With batched_losses, which
-# computes DDQAuxLoss's quality focal loss in float32 (stock's fails under autocast), the config trains in bf16.
+# the whole network replayed from CUDA graphs, one pair per input shape, the NMS that selects the distinct queries
+# running on the device with fixed shapes (cuda_graphs; exact but for which of a padded image's tied padding tokens
+# NMS keeps: docs/whole_detector.md); the FFNs, which have no dropout, recompute their hidden layer in the backward
+# (ffn_recompute); the NMS that selects the distinct queries takes its boxes and scores in float32 (float32_nms:
+# under --amp-dtype bfloat16 the class scores are bf16, on which mmcv's batched_nms of the encoder's 10000+
+# proposals fails; a no-op in fp32). With batched_losses, which computes DDQAuxLoss's quality focal loss in float32
+# (stock's fails under autocast), the config trains in bf16.
 # Off: sync_free_losses (batched_losses computes every loss of DDQ's head, so the per-layer method it changes no
-# longer runs) and relu_dropout_fusion (no FFN has a dropout to fuse). cuda_graphs cannot take in the rest of the
-# network: the NMS that selects the distinct queries before the decoder and between its layers needs the host
-# (a data-dependent number of boxes kept), so the decoder, the head and the losses run eagerly.
+# longer runs) and relu_dropout_fusion (no FFN has a dropout to fuse).
 custom_hooks = [
     dict(type='FastPathsHook', sdpa_attention=True, batched_matching=True, batched_losses=True,
          sync_free_forward=True, cuda_graphs=True, ffn_recompute=True, float32_nms=True),

@@ -15,7 +15,9 @@ a fixed-size index tensor:
 - ``pre_decoder`` (inference): the first ``num_queries`` kept proposals' class scores, coordinates and mapped memory
   are gathered at once for the batch, zeros after the last kept one (``align_tensor``'s padding);
 - ``select_distinct_queries`` (training and inference): the active queries are those of the first row of each
-  image's mask, as mmdet reads them; the kept ones open their rows and columns, every other cell is masked.
+  image's mask, as mmdet reads them; the kept ones open their rows and columns, every other cell is masked;
+- :func:`training_pre_decoder_sync_free`: ``pre_decoder`` in training, as a captured training region calls it
+  (the dense queries besides the distinct ones, the denoising queries given).
 
 The selection is mmdet's up to two things: exactly tied scores are visited in index order, where mmcv's unstable
 sort may put another of them first (of tied boxes that overlap beyond the threshold, the other one is then kept;
@@ -38,7 +40,7 @@ from deform_plugin.ops import greedy_nms_first_kept
 from .ddq_nms import method_with_float32_nms
 
 __all__ = ["distinct_query_rows", "enable_sync_free_distinct_queries", "nms_boxes_like_batched_nms",
-           "selects_distinct_queries_sync_free"]
+           "selects_distinct_queries_sync_free", "training_pre_decoder_sync_free"]
 
 _MIRRORED_DQS_KEYS = {"type", "iou_threshold", "split_thr", "class_agnostic"}
 
@@ -132,6 +134,61 @@ def pre_decoder_sync_free(self, memory: torch.Tensor, memory_mask: torch.Tensor,
     decoder_inputs_dict = dict(query=query, memory=memory, reference_points=topk_coords_unact.sigmoid(),
                                dn_mask=None)
     return decoder_inputs_dict, dict()
+
+
+def training_pre_decoder_sync_free(detector, memory: torch.Tensor, memory_mask: torch.Tensor,
+                                   spatial_shapes: torch.Tensor, dn_label_query: torch.Tensor,
+                                   dn_bbox_query: torch.Tensor, dn_mask: torch.Tensor):
+    """mmdet 3.3.0's ``DDQDETR.pre_decoder`` in training for the whole batch at once, on fixed shapes, with the
+    denoising queries and their attention mask given (made before a captured region, possibly padded; see
+    :mod:`.graphed_training`): the distinct queries as in inference (the first ``num_queries`` proposals that NMS
+    keeps, zeros after the last), the dense ones the first ``int(num_queries * dense_topk_ratio)`` tokens by the
+    dense branch's score (what mmcv's ``batched_nms`` without an NMS config returns: each image's scores sorted by
+    the same call), and the attention mask extended by the dense queries, which see only each other. Returns mmdet's decoder and head inputs; sets the shared ``cache_dict``'s query layout."""
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
+    head, cache = detector.bbox_head, detector.cache_dict
+    output_memory, output_proposals = detector.gen_encoder_output_proposals(memory, memory_mask, spatial_shapes)
+    num_layers = detector.decoder.num_layers
+    enc_outputs_class = head.cls_branches[num_layers](output_memory)
+    enc_outputs_coord_unact = head.reg_branches[num_layers](output_memory) + output_proposals
+    dense_enc_outputs_class = head.cls_branches[-1](output_memory)
+    dense_enc_outputs_coord_unact = head.reg_branches[-1](output_memory) + output_proposals
+    topk = detector.num_queries
+    num_dense = min(int(topk * detector.dense_topk_ratio), memory.shape[1])
+    proposals = bbox_cxcywh_to_xyxy(enc_outputs_coord_unact.sigmoid())
+    scores = enc_outputs_class.max(-1)[0].sigmoid()
+    kept, _ = greedy_nms_first_kept(nms_boxes_like_batched_nms(proposals, None), scores.float(), None,
+                                    _iou_threshold(cache), max_kept=topk)
+    present, index = kept >= 0, kept.clamp(min=0)
+    map_memory = detector.query_map(memory.detach())
+    topk_score = _gather_rows(enc_outputs_class, index, present)
+    query = _gather_rows(map_memory, index, present)
+    coords_unact = _gather_rows(enc_outputs_coord_unact, index, present)
+    # Image by image, as mmcv sorts (float32_nms' dtype): its sort orders exact ties (such as a padded image's
+    # padding tokens) as this one does.
+    dense_scores = dense_enc_outputs_class.max(-1)[0].sigmoid()
+    dense_scores = dense_scores.to(torch.promote_types(dense_scores.dtype, torch.float32))
+    dense_index = torch.stack([scores.sort(descending=True).indices[:num_dense] for scores in dense_scores])
+    everywhere = torch.ones_like(dense_index, dtype=torch.bool)
+    dense_topk_score = _gather_rows(dense_enc_outputs_class, dense_index, everywhere)
+    query = torch.cat([query, _gather_rows(map_memory, dense_index, everywhere)], dim=1)
+    coords_unact = torch.cat([coords_unact, _gather_rows(dense_enc_outputs_coord_unact, dense_index, everywhere)],
+                             dim=1)
+    coords = coords_unact.sigmoid()
+    topk_coords, dense_topk_coords = coords[:, :-num_dense], coords[:, -num_dense:]
+    query = torch.cat([dn_label_query, query], dim=1)
+    reference_points = torch.cat([dn_bbox_query, coords_unact.detach()], dim=1).sigmoid()
+    size = dn_mask.shape[-1]
+    extended_mask = dn_mask.new_ones((size + num_dense, size + num_dense))
+    extended_mask[size:, size:] = False
+    extended_mask[:size, :size] = dn_mask
+    cache["dis_query_info"] = [dn_label_query.shape[1], topk]
+    cache["num_dense_queries"] = num_dense
+    detector.decoder.aux_reg_branches = head.aux_reg_branches
+    decoder_inputs = dict(query=query, memory=memory, reference_points=reference_points, dn_mask=extended_mask)
+    head_inputs = dict(enc_outputs_class=topk_score, enc_outputs_coord=topk_coords,
+                       aux_enc_outputs_class=dense_topk_score, aux_enc_outputs_coord=dense_topk_coords)
+    return decoder_inputs, head_inputs
 
 
 def distinct_query_rows(detector) -> torch.Tensor:

@@ -11,8 +11,11 @@ The captured region is the part of mmdet 3.3.0's ``loss`` that depends only on t
   they are made eagerly by mmdet's own generator, then padded to a fixed count (twice ``num_dn_queries``) and
   enter the region as inputs, the label queries with their gradient. Padding queries attend only to themselves and
   no other query attends to them, so the real queries' outputs are those of the unpadded decoder; the padding is cut
-  from the outputs before the eager matching and losses. Detectors that keep DINO's ``forward_transformer`` but
-  change its pieces (DDQ-DETR's ``pre_decoder``) capture backbone, neck and encoder only;
+  from the outputs before the eager matching and losses;
+- DDQ-DETR: DINO's region with its own ``pre_decoder``, its distinct queries selected on the device with fixed
+  shapes (:mod:`.ddq_distinct_queries`) and its decoder's distinct-query masks as outputs, for its one-pass losses
+  (:mod:`.ddq_losses`). Other detectors that keep DINO's ``forward_transformer`` but change its pieces capture
+  backbone, neck and encoder only;
 - Mask2Former: backbone, pixel decoder and the masked-attention decoder with its class and mask predictions (its
   forward ignores the image sizes); the point-sampled matching and losses run eagerly;
 - Grounding-DINO: BERT (its masks made on the host) and DINO's region with the text: :mod:`.graphed_grounding`.
@@ -181,6 +184,8 @@ def _detr_region_and_tail(detector):
         return GraphedLoss(transformer_only, _pixels_and_image_sizes, head_tail, splits_at_features=True)
     if transformer is DINO.forward_transformer:
         whole = _dino_graphed_loss(detector)
+        if whole is None:
+            whole = _ddq_graphed_loss(detector)
         if whole is not None:
             return whole
 
@@ -260,6 +265,72 @@ def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
                                  batch_img_metas, dn_meta)
     return GraphedLoss(network, region_inputs, tail, splits_at_features=True,
                        pads_features=pads_dino_decoder(detector))
+
+
+def _ddq_graphed_loss(detector) -> Optional[GraphedLoss]:
+    """DDQ-DETR's whole network in the region: its distinct queries selected on the device with fixed shapes
+    (before the decoder and between its layers, :mod:`.ddq_distinct_queries`), the denoising queries padded as
+    DINO's; the one-pass matching and losses (:mod:`.ddq_losses`) run eagerly on the replayed outputs and the
+    decoder's distinct-query masks. None where a piece differs from mmdet 3.3.0's, where the NMS configuration is one
+    the device selection does not mirror, or where the head's losses are not the one-pass ones' (``batched_losses``
+    off, or a head they do not reproduce): the backbone and encoder region then serves."""
+    from mmdet.models.detectors import DDQDETR, DINO
+    from mmdet.models.layers import CdnQueryGenerator, DDQTransformerDecoder
+
+    from .ddq_distinct_queries import (enable_sync_free_distinct_queries, selects_distinct_queries_sync_free,
+                                       training_pre_decoder_sync_free)
+    from .ddq_losses import batchable_ddq_head, ddq_losses_in_one_pass
+    head, generator = detector.bbox_head, getattr(detector, "dn_query_generator", None)
+    if not (isinstance(detector, DDQDETR) and type(detector).pre_decoder is DDQDETR.pre_decoder
+            and type(detector).forward_decoder is DINO.forward_decoder
+            and type(detector.decoder).forward is DDQTransformerDecoder.forward
+            and type(generator).__call__ is CdnQueryGenerator.__call__
+            and type(generator).collate_dn_queries is CdnQueryGenerator.collate_dn_queries
+            and batchable_ddq_head(head) and "loss" in vars(head)):
+        return None
+    # The decoder's selection between its layers on the device (its method, also in eager steps); None where the
+    # NMS configuration is not mirrored.
+    enable_sync_free_distinct_queries(detector)
+    if not selects_distinct_queries_sync_free(detector):
+        return None
+
+    def network(batch_inputs, image_sizes, dn_label_query, dn_bbox_query, dn_mask, features=None):
+        encoder_outputs, decoder_inputs = detr_encoder(detector, batch_inputs, image_sizes, features)
+        decoder_inputs_from_encoder, head_inputs = training_pre_decoder_sync_free(
+            detector, encoder_outputs["memory"], encoder_outputs["memory_mask"], encoder_outputs["spatial_shapes"],
+            dn_label_query, dn_bbox_query, dn_mask)
+        decoder_outputs = detector.forward_decoder(**decoder_inputs_from_encoder, **decoder_inputs)
+        all_cls_scores, all_bbox_preds = head(decoder_outputs["hidden_states"], decoder_outputs["references"])
+        masks = detector.cache_dict["distinct_query_mask"]
+        outputs = dict(all_cls_scores=all_cls_scores, all_bbox_preds=all_bbox_preds,
+                       distinct_query_masks=torch.stack(masks) if masks else None, **head_inputs)
+        return outputs, dict(num_dense_queries=detector.cache_dict["num_dense_queries"])
+
+    def region_inputs(batch_inputs, batch_data_samples):
+        label_query, bbox_query, group_size, dn_meta = denoising_queries(generator, batch_data_samples)
+        num_denoising = dn_meta["num_denoising_queries"]
+        padded = padded_denoising_count(generator, num_denoising)
+        mask = cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, batch_inputs.device)
+        pad = (0, 0, 0, padded - num_denoising)
+        inputs = (batch_inputs, image_sizes_tensor(batch_data_samples, batch_inputs.device),
+                  torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), mask)
+        return inputs, (num_denoising, padded, dn_meta)
+
+    def tail(outputs, constants, batch_data_samples, context):
+        num_denoising, padded, dn_meta = context
+        dn_meta = dict(dn_meta, num_dense_queries=constants["num_dense_queries"])
+        masks = outputs["distinct_query_masks"]
+        # Where the head's losses read the decoder's selections, as the eager decoder leaves them.
+        detector.cache_dict["distinct_query_mask"] = [] if masks is None else list(masks.unbind(0))
+
+        def unpadded(per_layer):  # (layers, batch, queries, ...) without the padding queries
+            return torch.cat([per_layer[:, :, :num_denoising], per_layer[:, :, padded:]], dim=2)
+        return ddq_losses_in_one_pass(
+            head, unpadded(outputs["all_cls_scores"]), unpadded(outputs["all_bbox_preds"]),
+            outputs["enc_outputs_class"], outputs["enc_outputs_coord"], outputs["aux_enc_outputs_class"],
+            outputs["aux_enc_outputs_coord"], [sample.gt_instances for sample in batch_data_samples],
+            [sample.metainfo for sample in batch_data_samples], dn_meta)
+    return GraphedLoss(network, region_inputs, tail, splits_at_features=True)
 
 
 def _feature_module_names(detector) -> Tuple[str, ...]:

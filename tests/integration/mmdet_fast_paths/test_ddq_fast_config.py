@@ -8,7 +8,7 @@ import stock_worker
 import torch
 from ddq_heads import ddq_in_float64, flat_losses
 from emulated_graphs import EmulatedGraphRegion
-from small_detectors import REPO_ROOT, float64_nms_refusal, small_detector
+from small_detectors import REPO_ROOT, float64_nms_refusal, small_detector, with_fractional_offsets
 
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 
@@ -76,28 +76,75 @@ def test_the_fast_configs_switches_give_the_plain_configs_losses_and_gradients(f
     # Built from the fast config (shrunk: two encoder and two decoder layers, so that the second decoder layer takes
     # the distinct queries the first's NMS kept; narrow FFNs; 30 queries, 45 dense ones); the plain config's model is
     # the same (its config differs in the data preprocessor's copy only), with the same weights.
-    fast = small_detector("ddq", layers=2, feedforward_channels=256, queries=30, config=FAST_CONFIG)
+    # Fractional sampling offsets: an image that fills the batch puts the encoder's samples on pixel centres
+    # otherwise, where the sampling has no derivative and the offsets' gradients depend on float rounding.
+    fast = with_fractional_offsets(small_detector("ddq", layers=2, feedforward_channels=256, queries=30,
+                                                  config=FAST_CONFIG))
     stock = copy.deepcopy(fast)
     hooks = [HOOKS.build(hook) for hook in _fast_config().custom_hooks]
     hooks[0].before_run(types.SimpleNamespace(model=fast, hooks=hooks, optim_wrapper=None))
     assert "loss" in vars(fast.bbox_head) and fast.data_preprocessor._deform_plugin_flips_channels
-    # The graphed region is the backbone, neck and encoder (DDQ's distinct-query NMS keeps the rest eager): CUDA
-    # graphs emulated on the CPU. The first call runs it eagerly (its kind's warm-up), the second captures it at
-    # once (ShapeBucketsHook is in the run) and replays it.
+    # The graphed region is the whole network, the distinct queries selected on the device (the matching and losses
+    # run eagerly on its outputs): CUDA graphs emulated on the CPU. The first call runs it eagerly (its kind's
+    # warm-up), the second captures it at once (ShapeBucketsHook is in the run) and replays it.
     (region,) = fast.graphed_training_regions
     region.__class__ = EmulatedGraphRegion
-    inputs, samples = _training_batch(((96, 128), (80, 104)))  # the second image padded
+    # Two images that fill the batch: every token has a proposal of its own. (In a padded image the padding tokens
+    # tie, one score and one box each, and NMS keeps one of them: stock the first of mmcv's sort, ours the first by
+    # index, whose memory differs; tested below.)
+    inputs, samples = _training_batch(((96, 128), (96, 128)))
     expected, expected_grads = _losses_and_gradients(stock, inputs, samples)
     for _ in range(2):
         got, got_grads = _losses_and_gradients(fast, inputs, samples)
         assert list(got) == list(expected)
-        for name in expected:  # float64: SDPA and the one-pass sums differ from stock by rounding only
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-10, atol=1e-12, msg=name)
+        # float64: SDPA, the batch's gathers and the one-pass sums differ from stock by rounding only.
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-8, atol=1e-10, msg=name)
         for ours, theirs in zip(got_grads, expected_grads):
             assert (ours is None) == (theirs is None)
             if theirs is not None:
-                torch.testing.assert_close(ours, theirs, rtol=1e-8, atol=1e-10)
+                torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=1e-8)
     assert (region.eager_calls, region.replays, len(region.captured)) == (1, 1, 1)
+    # A padded second image, the same padded shape (replayed from the graph captured above): the one padding token
+    # that becomes a distinct query may be another one than stock's. It is no ground truth's match, so the box losses and every
+    # loss before the decoder stay stock's; the classification losses, which score every query, move by its logits.
+    inputs, samples = _training_batch(((96, 128), (80, 104)))
+    expected, _ = _losses_and_gradients(stock, inputs, samples)
+    got, _ = _losses_and_gradients(fast, inputs, samples)
+    assert list(got) == list(expected)
+    for name in expected:
+        if name.endswith("loss_cls") and not name.startswith(("enc_", "aux_enc_")) and "aux_loss" not in name:
+            torch.testing.assert_close(got[name], expected[name], rtol=2e-3, atol=0, msg=name)
+        else:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-8, atol=1e-10, msg=name)
+    assert (region.eager_calls, region.replays, len(region.captured)) == (1, 2, 1)
+
+
+def test_the_training_region_reads_nothing_from_the_host_and_nothing_back():
+    # A CUDA graph cannot capture a read back nor a copy from pageable host memory: the whole training region, its
+    # NMS and dense-query sort included, makes neither (run eagerly on the CPU, where the calls are the same).
+    from host_transfers import HostTransferSpy
+    from mmengine.registry import HOOKS
+    fast = small_detector("ddq", dtype=torch.float32, layers=2, feedforward_channels=256, queries=30,
+                          config=FAST_CONFIG)
+    hooks = [HOOKS.build(hook) for hook in _fast_config().custom_hooks]
+    hooks[0].before_run(types.SimpleNamespace(model=fast, hooks=hooks, optim_wrapper=None))
+    (region,) = fast.graphed_training_regions
+    calls, network = [], region.fn
+
+    def spied(*inputs, **kwargs):
+        with HostTransferSpy() as spy:
+            outputs = network(*inputs, **kwargs)
+        calls.extend(spy.calls)
+        return outputs
+    region.fn = spied
+    inputs, samples = _training_batch(((96, 128), (80, 104)))
+    for sample in samples:
+        sample.gt_instances.bboxes = sample.gt_instances.bboxes.float()
+    losses = flat_losses(fast.loss(inputs.float(), samples))
+    assert region.eager_calls == 1 and losses["loss_cls"] > 0
+    # _corners: the CPU reference op's sampling tables; the PyTorch NMS path's own loop (a GPU runs Triton's).
+    assert [call for call in calls if call[1] not in ("_corners", "greedy_nms_first_kept_reference")] == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -106,7 +153,10 @@ def test_on_cuda_the_fast_step_follows_the_plain_step_over_optimizer_steps():
 
     from deform_plugin.cuda_graphs import CapturePolicy
     from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
-    stock = small_detector("ddq", dtype=torch.float32, layers=2, feedforward_channels=256, queries=30).cuda()
+    # Fractional sampling offsets and images that fill the batch: see the CPU test above (a padded image's padding
+    # tokens tie in the NMS, which may then keep another one than stock's).
+    stock = with_fractional_offsets(small_detector("ddq", dtype=torch.float32, layers=2, feedforward_channels=256,
+                                                   queries=30)).cuda()
     fast = copy.deepcopy(stock)
     apply_fast_paths(fast, capture_policy=CapturePolicy(capture_after=1), **SWITCHES)
     (region,) = fast.graphed_training_regions
@@ -121,7 +171,7 @@ def test_on_cuda_the_fast_step_follows_the_plain_step_over_optimizer_steps():
         return float(total), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     syncs = None
-    for index, sizes in enumerate([((128, 160), (112, 136)), ((96, 160), (128, 120)), ((128, 144), (128, 160))]):
+    for index, sizes in enumerate([((128, 160), (128, 160))] * 3):
         inputs, samples = _training_batch(sizes, height=128, width=160, seed=index)
         inputs = inputs.float().cuda()
         for sample in samples:
@@ -139,11 +189,11 @@ def test_on_cuda_the_fast_step_follows_the_plain_step_over_optimizer_steps():
         assert difference <= 1e-3 * sum(float(s.norm() ** 2) for s in stock_grads) ** 0.5, index
         if index == 2:
             syncs = [cuda_syncs_of(lambda: step(model, inputs, samples)) for model in (stock, fast)]
-    # The first batch warmed the region's kind up eagerly; its padded shape was captured at the second and replayed
-    # at the third (and by the sync counts' calls).
+    # The first batch warmed the region's kind up eagerly; its shape was captured at the second and replayed at the
+    # third (and by the sync counts' calls).
     assert (region.eager_calls, len(region.captured)) == (1, 1) and region.replays >= 2
-    # What is left waiting in the fast step: the NMS that selects the distinct queries (as many waits as stock's) and
-    # the loss's one copy (tests/integration/mmdet_fast_paths/test_ddq_losses.py counts the loss alone).
+    # What is left waiting in the fast step: the loss's one copy (tests/integration/mmdet_fast_paths/test_ddq_losses.py
+    # counts the loss alone); the NMS that selects the distinct queries runs on the device inside the region.
     assert syncs[1] < syncs[0], syncs
 
 
