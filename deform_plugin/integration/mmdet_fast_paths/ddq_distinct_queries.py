@@ -144,7 +144,8 @@ def training_pre_decoder_sync_free(detector, memory: torch.Tensor, memory_mask: 
     :mod:`.graphed_training`): the distinct queries as in inference (the first ``num_queries`` proposals that NMS
     keeps, zeros after the last), the dense ones the first ``int(num_queries * dense_topk_ratio)`` tokens by the
     dense branch's score (what mmcv's ``batched_nms`` without an NMS config returns: each image's scores sorted by
-    the same call), and the attention mask extended by the dense queries, which see only each other. Returns mmdet's decoder and head inputs; sets the shared ``cache_dict``'s query layout."""
+    the same call), and the attention mask extended by the dense queries, which see only each other. Returns mmdet's
+    decoder and head inputs; sets the shared ``cache_dict``'s query layout."""
     from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
     head, cache = detector.bbox_head, detector.cache_dict
     output_memory, output_proposals = detector.gen_encoder_output_proposals(memory, memory_mask, spatial_shapes)
@@ -168,7 +169,8 @@ def training_pre_decoder_sync_free(detector, memory: torch.Tensor, memory_mask: 
     # padding tokens) as this one does.
     dense_scores = dense_enc_outputs_class.max(-1)[0].sigmoid()
     dense_scores = dense_scores.to(torch.promote_types(dense_scores.dtype, torch.float32))
-    dense_index = torch.stack([scores.sort(descending=True).indices[:num_dense] for scores in dense_scores])
+    dense_index = torch.stack([image_scores.sort(descending=True).indices[:num_dense]
+                               for image_scores in dense_scores])
     everywhere = torch.ones_like(dense_index, dtype=torch.bool)
     dense_topk_score = _gather_rows(dense_enc_outputs_class, dense_index, everywhere)
     query = torch.cat([query, _gather_rows(map_memory, dense_index, everywhere)], dim=1)

@@ -106,8 +106,9 @@ def test_the_fast_configs_switches_give_the_plain_configs_losses_and_gradients(f
                 torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=1e-8)
     assert (region.eager_calls, region.replays, len(region.captured)) == (1, 1, 1)
     # A padded second image, the same padded shape (replayed from the graph captured above): the one padding token
-    # that becomes a distinct query may be another one than stock's. It is no ground truth's match, so the box losses and every
-    # loss before the decoder stay stock's; the classification losses, which score every query, move by its logits.
+    # that becomes a distinct query may be another one than stock's. It is no ground truth's match, so the box losses
+    # and every loss before the decoder stay stock's; the classification losses, which score every query, move by
+    # its logits.
     inputs, samples = _training_batch(((96, 128), (80, 104)))
     expected, _ = _losses_and_gradients(stock, inputs, samples)
     got, _ = _losses_and_gradients(fast, inputs, samples)
