@@ -143,6 +143,7 @@ declare -A config_of=(
   [ddetr-plain]=configs/fast/deformable-detr_r50_16xb2-50e_coco_deform-plugin-fast.py
   [ddetr-refine]=configs/fast/deformable-detr-refine_r50_16xb2-50e_coco_deform-plugin-fast.py
   [dino]=configs/fast/dino-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py
+  [ddq]=configs/fast/ddq-detr-4scale_r50_8xb2-12e_coco_deform-plugin-fast.py
   [mask2former]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py
   [mask2former-panoptic]=configs/fast/mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin-fast.py)
 
@@ -171,7 +172,7 @@ tests)
   wait $tests_pid
   ;;
 train)
-  # TRAIN_CONFIGS picks the configs (default ddetr dino mask2former; also ddetr-plain, ddetr-refine and
+  # TRAIN_CONFIGS picks the configs (default ddetr dino mask2former; also ddetr-plain, ddetr-refine, ddq and
   # mask2former-panoptic) and INFERENCE=0 skips the batch-1 inference rows, so that
   # one GPU can run the phase in pieces of under 10 minutes; TRAIN_ITERS (default 100) lengthens the runs.
   wait_for_mmcv
