@@ -13,8 +13,8 @@ model_wrapper_cfg = {{_base_.fast_model_wrapper_cfg}}
 # matching (one-to-one and DDQAuxLoss's one-to-k) and the decoder's distinct-query masks in one copy to the host
 # (batched_losses, which brings batched_matching); the level tables made on the host (sync_free_forward); on CUDA,
 # the whole network replayed from CUDA graphs, one pair per input shape, the NMS that selects the distinct queries
-# running on the device with fixed shapes (cuda_graphs; exact but for which of a padded image's tied padding tokens
-# NMS keeps: docs/whole_detector.md); the FFNs, which have no dropout, recompute their hidden layer in the backward
+# running on the device with fixed shapes (cuda_graphs; docs/whole_detector.md says where tied scores may fall
+# otherwise than in mmcv's NMS); the FFNs, which have no dropout, recompute their hidden layer in the backward
 # (ffn_recompute); the NMS that selects the distinct queries takes its boxes and scores in float32 (float32_nms:
 # under --amp-dtype bfloat16 the class scores are bf16, on which mmcv's batched_nms of the encoder's 10000+
 # proposals fails; a no-op in fp32). With batched_losses, which computes DDQAuxLoss's quality focal loss in float32

@@ -11,7 +11,8 @@ a fixed-size index tensor:
 - the boxes NMS compares are ``batched_nms``'s: shifted by their largest coordinate plus one (its offset for class
   id 1), computed in the boxes' dtype, then compared in float32 (mmcv's kernels take float32) by mmcv's CUDA
   kernel's test, ``inter > iou_threshold * union``; the scores in float32 (what ``float32_nms`` gives under
-  autocast), visited in descending order;
+  autocast), visited in descending order: before the decoder in the order of the kernels' own sort of each image's
+  scores (:func:`kernel_visit_ranks`), so that exact ties fall as mmcv orders them;
 - ``pre_decoder`` (inference): the first ``num_queries`` kept proposals' class scores, coordinates and mapped memory
   are gathered at once for the batch, zeros after the last kept one (``align_tensor``'s padding);
 - ``select_distinct_queries`` (training and inference): the active queries are those of the first row of each
@@ -19,10 +20,12 @@ a fixed-size index tensor:
 - :func:`training_pre_decoder_sync_free`: ``pre_decoder`` in training, as a captured training region calls it
   (the dense queries besides the distinct ones, the denoising queries given).
 
-The selection is mmdet's up to two things: exactly tied scores are visited in index order, where mmcv's unstable
-sort may put another of them first (of tied boxes that overlap beyond the threshold, the other one is then kept;
-tokens without a valid proposal all tie, with one score and one box), and an IoU within float32 rounding of the
-threshold may fall the other way than mmcv's CPU kernel's ``inter / union > iou_threshold`` decides. mmdet's
+The selection is mmdet's up to three things: between decoder layers exactly tied scores are visited in index
+order, where mmcv's unstable sort of the active queries may put another of them first (of tied boxes that overlap
+beyond the threshold, the other one is then kept); before the decoder, from ``split_thr`` proposals on (mmcv then
+sorts the kept boxes' scores once more), tied kept proposals may fall in another order across the ``num_queries``-th
+place; and an IoU within float32 rounding of the threshold may fall the other way than mmcv's CPU kernel's
+``inter / union > iou_threshold`` decides. mmdet's
 methods stay the fallback for configurations this does not mirror (another NMS type, class-agnostic NMS, a
 ``max_num``).
 """
@@ -39,8 +42,8 @@ from deform_plugin.ops import greedy_nms_first_kept
 
 from .ddq_nms import method_with_float32_nms
 
-__all__ = ["distinct_query_rows", "enable_sync_free_distinct_queries", "nms_boxes_like_batched_nms",
-           "selects_distinct_queries_sync_free", "training_pre_decoder_sync_free"]
+__all__ = ["distinct_query_rows", "enable_sync_free_distinct_queries", "kernel_visit_ranks",
+           "nms_boxes_like_batched_nms", "selects_distinct_queries_sync_free", "training_pre_decoder_sync_free"]
 
 _MIRRORED_DQS_KEYS = {"type", "iou_threshold", "split_thr", "class_agnostic"}
 
@@ -65,6 +68,18 @@ def _iou_threshold(cache_dict) -> Optional[float]:
             or config.get("class_agnostic", False) or "iou_threshold" not in config:
         return None
     return float(config["iou_threshold"])
+
+
+def kernel_visit_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """``(B, N)`` float32 scores that :func:`greedy_nms_first_kept` visits in the order mmcv's NMS kernels visit
+    each image's boxes: the kernels' own ``scores.sort(0, descending=True)`` of the image's scores (in at least
+    float32, as ``float32_nms`` passes them), made strictly decreasing ranks, so that exactly tied scores (a padded
+    image's padding tokens) fall as the kernels order them, not in index order."""
+    key = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    order = torch.stack([image_scores.sort(descending=True).indices for image_scores in key])
+    count = order.shape[1]
+    ranks = torch.arange(count, 0, -1, dtype=torch.float32, device=scores.device).expand_as(order)
+    return torch.empty_like(ranks).scatter_(1, order, ranks)
 
 
 def _kept_mask(kept: torch.Tensor, count: int) -> torch.Tensor:
@@ -125,7 +140,7 @@ def pre_decoder_sync_free(self, memory: torch.Tensor, memory_mask: torch.Tensor,
     topk = self.num_queries
     proposals = bbox_cxcywh_to_xyxy(enc_outputs_coord_unact.sigmoid())
     scores = enc_outputs_class.max(-1)[0].sigmoid()
-    kept, _ = greedy_nms_first_kept(nms_boxes_like_batched_nms(proposals, None), scores.float(), None,
+    kept, _ = greedy_nms_first_kept(nms_boxes_like_batched_nms(proposals, None), kernel_visit_ranks(scores), None,
                                     _iou_threshold(self.cache_dict), max_kept=topk)
     present, index = kept >= 0, kept.clamp(min=0)
     topk_coords_unact = _gather_rows(enc_outputs_coord_unact, index, present).detach()
@@ -158,7 +173,7 @@ def training_pre_decoder_sync_free(detector, memory: torch.Tensor, memory_mask: 
     num_dense = min(int(topk * detector.dense_topk_ratio), memory.shape[1])
     proposals = bbox_cxcywh_to_xyxy(enc_outputs_coord_unact.sigmoid())
     scores = enc_outputs_class.max(-1)[0].sigmoid()
-    kept, _ = greedy_nms_first_kept(nms_boxes_like_batched_nms(proposals, None), scores.float(), None,
+    kept, _ = greedy_nms_first_kept(nms_boxes_like_batched_nms(proposals, None), kernel_visit_ranks(scores), None,
                                     _iou_threshold(cache), max_kept=topk)
     present, index = kept >= 0, kept.clamp(min=0)
     map_memory = detector.query_map(memory.detach())

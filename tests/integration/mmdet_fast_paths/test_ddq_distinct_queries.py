@@ -10,7 +10,8 @@ from small_detectors import small_detector
 
 import deform_plugin  # noqa: F401  (mmcv stand-in where mmcv-lite is installed)
 from deform_plugin.integration.mmdet_fast_paths.ddq_distinct_queries import (
-    enable_sync_free_distinct_queries, nms_boxes_like_batched_nms, selects_distinct_queries_sync_free)
+    enable_sync_free_distinct_queries, kernel_visit_ranks, nms_boxes_like_batched_nms,
+    selects_distinct_queries_sync_free)
 
 # mmcv's batched_nms takes its group-by-group path from split_thr boxes on; the small detectors have a few hundred
 # tokens and 30 queries, so "grouped" lowers it to reach that path too.
@@ -197,3 +198,22 @@ def test_a_training_step_is_mmdets_bitwise():
     (stock_selection,), (our_selection,) = stock.cache_dict["distinct_query_mask"], ours.cache_dict[
         "distinct_query_mask"]  # two decoder layers: one selection between them
     assert torch.equal(our_selection, stock_selection) and not bool(stock_selection.all())  # some queries closed
+
+
+def test_the_visit_ranks_order_ties_as_mmcvs_kernel_sort_does():
+    # Many exact ties (a padded image's padding tokens share one score): greedy NMS over the ranks visits the boxes
+    # in the order of the kernels' own sort, so that of tied identical boxes it keeps the one mmcv keeps.
+    from deform_plugin.ops import greedy_nms_first_kept
+    scores = torch.tensor([0.3, 1.0, 0.2, 1.0, 1.0, 0.5, 1.0] * 40, dtype=torch.float64)[None].repeat(2, 1)
+    scores[1, 5] = 2.0
+    ranks = kernel_visit_ranks(scores)
+    assert ranks.dtype == torch.float32
+    for image in range(2):
+        kernel_order = scores[image].sort(0, descending=True)[1]
+        assert torch.equal(ranks[image].sort(descending=True).indices, kernel_order)
+        assert ranks[image].unique().numel() == scores.shape[1]  # strictly ordered
+    boxes = torch.tensor([0.0, 0.0, 1.0, 1.0]).expand(2, scores.shape[1], 4)  # every box the same: one is kept
+    kept, count = greedy_nms_first_kept(boxes, ranks, None, 0.8, max_kept=3)
+    assert count.tolist() == [1, 1]
+    assert kept[:, 0].tolist() == [int(scores[image].sort(0, descending=True)[1][0]) for image in range(2)]
+
