@@ -207,6 +207,27 @@ def _detr_region_and_tail(detector):
     return None
 
 
+def _padded_denoising_inputs(detector, generator) -> Callable:
+    """The ``region_inputs`` of DINO's and DDQ-DETR's regions: the pixels, each image's size, and mmdet's denoising
+    queries padded to a fixed count with their attention mask; the tail's context is ``(num_denoising, padded,
+    dn_meta)``."""
+    def region_inputs(batch_inputs, batch_data_samples):
+        label_query, bbox_query, group_size, dn_meta = denoising_queries(generator, batch_data_samples)
+        num_denoising = dn_meta["num_denoising_queries"]
+        padded = padded_denoising_count(generator, num_denoising)
+        mask = cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, batch_inputs.device)
+        pad = (0, 0, 0, padded - num_denoising)
+        inputs = (batch_inputs, image_sizes_tensor(batch_data_samples, batch_inputs.device),
+                  torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), mask)
+        return inputs, (num_denoising, padded, dn_meta)
+    return region_inputs
+
+
+def _without_denoising_padding(per_layer: torch.Tensor, num_denoising: int, padded: int) -> torch.Tensor:
+    """``(layers, batch, queries, ...)`` outputs without the denoising padding queries."""
+    return torch.cat([per_layer[:, :, :num_denoising], per_layer[:, :, padded:]], dim=2)
+
+
 def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
     """DINO's whole network in the region, the denoising queries padded to a fixed count (see the module's doc);
     None where a piece differs from mmdet 3.3.0's."""
@@ -243,27 +264,15 @@ def _dino_graphed_loss(detector) -> Optional[GraphedLoss]:
         return dict(all_cls_scores=all_cls_scores, all_bbox_preds=all_bbox_preds, enc_outputs_class=topk_score,
                     enc_outputs_coord=topk_coords), None
 
-    def region_inputs(batch_inputs, batch_data_samples):
-        label_query, bbox_query, group_size, dn_meta = denoising_queries(generator, batch_data_samples)
-        num_denoising = dn_meta["num_denoising_queries"]
-        padded = padded_denoising_count(generator, num_denoising)
-        mask = cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, batch_inputs.device)
-        pad = (0, 0, 0, padded - num_denoising)
-        inputs = (batch_inputs, image_sizes_tensor(batch_data_samples, batch_inputs.device),
-                  torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), mask)
-        return inputs, (num_denoising, padded, dn_meta)
-
     def tail(outputs, _, batch_data_samples, context):
         num_denoising, padded, dn_meta = context
-
-        def unpadded(per_layer):  # (layers, batch, queries, ...) without the padding queries
-            return torch.cat([per_layer[:, :, :num_denoising], per_layer[:, :, padded:]], dim=2)
         batch_gt_instances = [sample.gt_instances for sample in batch_data_samples]
         batch_img_metas = [sample.metainfo for sample in batch_data_samples]
-        return head.loss_by_feat(unpadded(outputs["all_cls_scores"]), unpadded(outputs["all_bbox_preds"]),
+        return head.loss_by_feat(_without_denoising_padding(outputs["all_cls_scores"], num_denoising, padded),
+                                 _without_denoising_padding(outputs["all_bbox_preds"], num_denoising, padded),
                                  outputs["enc_outputs_class"], outputs["enc_outputs_coord"], batch_gt_instances,
                                  batch_img_metas, dn_meta)
-    return GraphedLoss(network, region_inputs, tail, splits_at_features=True,
+    return GraphedLoss(network, _padded_denoising_inputs(detector, generator), tail, splits_at_features=True,
                        pads_features=pads_dino_decoder(detector))
 
 
@@ -306,31 +315,19 @@ def _ddq_graphed_loss(detector) -> Optional[GraphedLoss]:
                        distinct_query_masks=torch.stack(masks) if masks else None, **head_inputs)
         return outputs, dict(num_dense_queries=detector.cache_dict["num_dense_queries"])
 
-    def region_inputs(batch_inputs, batch_data_samples):
-        label_query, bbox_query, group_size, dn_meta = denoising_queries(generator, batch_data_samples)
-        num_denoising = dn_meta["num_denoising_queries"]
-        padded = padded_denoising_count(generator, num_denoising)
-        mask = cached_denoising_mask(num_denoising, group_size, padded, detector.num_queries, batch_inputs.device)
-        pad = (0, 0, 0, padded - num_denoising)
-        inputs = (batch_inputs, image_sizes_tensor(batch_data_samples, batch_inputs.device),
-                  torch.nn.functional.pad(label_query, pad), torch.nn.functional.pad(bbox_query, pad), mask)
-        return inputs, (num_denoising, padded, dn_meta)
-
     def tail(outputs, constants, batch_data_samples, context):
         num_denoising, padded, dn_meta = context
         dn_meta = dict(dn_meta, num_dense_queries=constants["num_dense_queries"])
         masks = outputs["distinct_query_masks"]
         # Where the head's losses read the decoder's selections, as the eager decoder leaves them.
         detector.cache_dict["distinct_query_mask"] = [] if masks is None else list(masks.unbind(0))
-
-        def unpadded(per_layer):  # (layers, batch, queries, ...) without the padding queries
-            return torch.cat([per_layer[:, :, :num_denoising], per_layer[:, :, padded:]], dim=2)
         return ddq_losses_in_one_pass(
-            head, unpadded(outputs["all_cls_scores"]), unpadded(outputs["all_bbox_preds"]),
+            head, _without_denoising_padding(outputs["all_cls_scores"], num_denoising, padded),
+            _without_denoising_padding(outputs["all_bbox_preds"], num_denoising, padded),
             outputs["enc_outputs_class"], outputs["enc_outputs_coord"], outputs["aux_enc_outputs_class"],
             outputs["aux_enc_outputs_coord"], [sample.gt_instances for sample in batch_data_samples],
             [sample.metainfo for sample in batch_data_samples], dn_meta)
-    return GraphedLoss(network, region_inputs, tail, splits_at_features=True)
+    return GraphedLoss(network, _padded_denoising_inputs(detector, generator), tail, splits_at_features=True)
 
 
 def _feature_module_names(detector) -> Tuple[str, ...]:
