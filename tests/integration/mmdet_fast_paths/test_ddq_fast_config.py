@@ -109,6 +109,36 @@ def test_the_fast_configs_switches_give_the_plain_configs_losses_and_gradients(f
     assert (region.eager_calls, region.replays, len(region.captured)) == (1, 2, 1)
 
 
+def test_split_at_the_features_the_two_regions_give_the_plain_losses_and_gradients(float64):
+    # Under DistributedDataParallel without gradient slots the backbone and neck are a region of their own, and the
+    # whole-network region takes their features (the DINO-style inputs after them).
+    from deform_plugin.cuda_graphs import CapturePolicy
+    from deform_plugin.integration.mmdet_fast_paths import apply_fast_paths
+    refusal = float64_nms_refusal()
+    if refusal:
+        pytest.skip(refusal)
+    stock = with_fractional_offsets(small_detector("ddq", layers=2, feedforward_channels=256, queries=30))
+    fast = copy.deepcopy(stock)
+    apply_fast_paths(fast, capture_policy=CapturePolicy(capture_after=1), split_graphs_at_features=True,
+                     **SWITCHES)
+    regions = fast.graphed_training_regions
+    assert len(regions) == 2
+    for region in regions:
+        region.__class__ = EmulatedGraphRegion
+    inputs, samples = _training_batch(((96, 128), (80, 104)))
+    expected, expected_grads = _losses_and_gradients(stock, inputs, samples)
+    for _ in range(2):  # the warm-up, then a capture at once and its replay
+        got, got_grads = _losses_and_gradients(fast, inputs, samples)
+        assert list(got) == list(expected)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-8, atol=1e-10, msg=name)
+        for ours, theirs in zip(got_grads, expected_grads):
+            assert (ours is None) == (theirs is None)
+            if theirs is not None:
+                torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=1e-8)
+    assert [(region.eager_calls, region.replays) for region in regions] == [(1, 1), (1, 1)]
+
+
 def test_the_training_region_reads_nothing_from_the_host_and_nothing_back():
     # A CUDA graph cannot capture a read back nor a copy from pageable host memory: the whole training region, its
     # NMS and dense-query sort included, makes neither (run eagerly on the CPU, where the calls are the same).
