@@ -247,8 +247,8 @@ def markdown(report: dict) -> str:
     lines += long_run_lines(report["rows"])
     failed = [r for r in report["results"] if r["status"] != "ok"]
     for result in failed:
-        lines += ["", f"**{Path(result['config']).name} {result['row']} failed** (log: {result['log']}):", "",
-                  "```", result["error"] or "", "```"]
+        heading = f"**{Path(result['config']).name} {result['row']} {result['status']}** (log: {result['log']}):"
+        lines += ["", heading, "", "```", result["error"] or "", "```"]
     return "\n".join(lines) + "\n"
 
 

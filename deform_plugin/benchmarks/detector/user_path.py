@@ -164,6 +164,18 @@ def run_row(config_path: Path, base_cfg, row: Row, source: CocoSource, settings:
     return result
 
 
+# Seconds a row is assumed to take (process start, Runner, a short run) before one has finished, under --deadline;
+# and the seconds kept after the last row for the report.
+FIRST_ROW_S = 60.0
+REPORT_RESERVE_S = 5.0
+
+
+def skipped_row(config_path: Path, row: Row, gpus: int, reason: str) -> dict:
+    """The result of a row that did not run, shaped as :func:`run_row`'s."""
+    return dict(config=str(config_path), row=row.label, gpus=gpus, command=None, log=None, status="skipped",
+                returncode=None, wall_s=None, timing=None, error=reason, text_encoder=None)
+
+
 def row_environment(row: Row, cold_cache_dir: Path) -> Optional[Dict[str, str]]:
     """The variables a row's process gets besides this one's (None: none): an empty Triton cache of its own for a
     cold row, as a first run on a new machine has; cuDNN's v7 API (read at the process's first convolution) for a
@@ -185,11 +197,13 @@ def synthetic_source(kind: str, cache_root: Optional[Path], num_images: int, see
 
 def run_benchmark(config_paths: Sequence[Path], rows: Sequence[Row], settings: Settings, source, out_dir: Path,
                   keep_work_dirs: bool = False, progress=print,
-                  gpu_counts: Optional[Sequence[int]] = None) -> List[dict]:
+                  gpu_counts: Optional[Sequence[int]] = None, deadline: Optional[float] = None,
+                  clock=time.monotonic) -> List[dict]:
     """Every row on every config, on each of ``gpu_counts`` (default: ``settings.gpus``), one child process (or one
     torch.distributed.run) at a time; the results in that order (config, then GPU count, then row). ``source``: the
     :class:`CocoSource` of every config, or a function from a config's dataset kind (:func:`check_supported`) to
-    its set."""
+    its set. ``deadline`` (a ``clock()`` time): a row runs only while what is left of it is at least the longest
+    finished row took (:data:`FIRST_ROW_S` before any), and at most until it; the rows left are ``skipped``."""
     gpu_counts = list(gpu_counts or [settings.gpus])
     config_paths = [Path(p).resolve() for p in config_paths]
     base_cfgs, sources = {}, {}
@@ -207,7 +221,17 @@ def run_benchmark(config_paths: Sequence[Path], rows: Sequence[Row], settings: S
                 for row in rows:
                     where = "" if gpu_counts == [1] else f" on {gpus} GPU" + ("s" if gpus > 1 else "")
                     progress(f"[{len(results) + 1}/{total}] {path.name} {row.label}{where} ...")
-                    result = run_row(path, base_cfgs[path], row, sources[path], on_gpus, scratch, out_dir)
+                    limited = on_gpus
+                    if deadline is not None:
+                        left = deadline - clock()
+                        needed = max([r["wall_s"] or 0.0 for r in results if r["status"] == "ok"] or [FIRST_ROW_S])
+                        if left < needed:
+                            results.append(skipped_row(path, row, gpus, f"not started: {max(left, 0):.0f} s were left "
+                                                       f"before --deadline, and a row takes about {needed:.0f} s"))
+                            progress(f"    skipped: {results[-1]['error']}")
+                            continue
+                        limited = dataclasses.replace(on_gpus, timeout_s=min(on_gpus.timeout_s, left))
+                    result = run_row(path, base_cfgs[path], row, sources[path], limited, scratch, out_dir)
                     progress(f"    {result['status']} in {result['wall_s'] or 0:.0f} s (log: {result['log']})")
                     results.append(result)
     finally:
@@ -248,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the synthetic set is generated (default: $DEFORM_PLUGIN_DATA or "
                              "~/.cache/deform_plugin)")
     parser.add_argument("--timeout", type=float, default=Settings.timeout_s, help="seconds allowed per row")
+    parser.add_argument("--deadline", type=float, default=None, metavar="S",
+                        help="seconds from the start by which the report is written: a row starts only while what is "
+                             "left is at least what the longest finished row took, and stops by then; the rows that do "
+                             "not fit are reported as skipped (for calls with a time limit)")
     parser.add_argument("--out-dir", type=Path, default=Path("bench_results/train"),
                         help="JSON, CSV and Markdown results, row logs and overlay configs")
     parser.add_argument("--keep-work-dirs", action="store_true", help="keep the rows' mmengine work dirs")
@@ -322,7 +350,10 @@ def parse_profile_window(text: str) -> Tuple[int, int]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .train_report import summarize, write_reports
+    started = time.monotonic()
     args = build_parser().parse_args(argv)
+    if args.deadline is not None and not args.deadline > REPORT_RESERVE_S:
+        raise SystemExit(f"--deadline {args.deadline:g}: give more than the {REPORT_RESERVE_S:g} s kept for the report")
     settings = Settings(iters=args.iters, batch_size=args.batch_size, workers=args.workers,
                         first_iters=args.first_iters, steady_start=args.steady_start,
                         logger_interval=args.logger_interval, timeout_s=args.timeout, gpus=args.gpus[0],
@@ -355,8 +386,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             used[kind] = synthetic_source(kind, args.data_cache, args.images, args.seed)
         return used[kind]
     try:
+        deadline = None if args.deadline is None else started + args.deadline - REPORT_RESERVE_S
         results = run_benchmark(args.configs, args.rows, settings, source_of, out_dir, args.keep_work_dirs,
-                                gpu_counts=list(dict.fromkeys(args.gpus)))
+                                gpu_counts=list(dict.fromkeys(args.gpus)), deadline=deadline)
     except UnsupportedConfig as error:
         raise SystemExit(str(error))
     report = summarize(results, settings, next(iter(used.values())))

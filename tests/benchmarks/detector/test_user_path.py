@@ -9,6 +9,8 @@ import pytest
 from train_benchmark_cases import REPO_ROOT, SOURCE_IMAGES, TINY_COCO_CONFIG
 
 from deform_plugin.benchmarks.detector import user_path
+from deform_plugin.benchmarks.detector.coco_source import CocoSource
+from deform_plugin.benchmarks.detector.train_report import markdown, summarize
 from deform_plugin.benchmarks.stock_process import stock_command
 
 
@@ -65,6 +67,30 @@ def test_every_row_runs_on_each_gpu_count_in_turn(tmp_path, monkeypatch):
     assert [r["gpus"] for r in results] == [1, 1, 4, 4]
     args = user_path.build_parser().parse_args([str(TINY_COCO_CONFIG), "--gpus", "1", "4"])
     assert args.gpus == [1, 4] and user_path.build_parser().parse_args([str(TINY_COCO_CONFIG)]).gpus == [1]
+
+
+def test_under_a_deadline_a_row_starts_only_where_the_longest_row_so_far_still_fits(tmp_path, monkeypatch):
+    now, timeouts = [0.0], []
+
+    def fake_run_row(config_path, base_cfg, row, source, settings, scratch, out_dir):
+        timeouts.append(settings.timeout_s)
+        took = 50.0 if row.mode == "fp32" else 80.0
+        now[0] += took
+        return dict(config=str(config_path), row=row.label, gpus=settings.gpus, status="ok", wall_s=took, log="-")
+    monkeypatch.setattr(user_path, "run_row", fake_run_row)
+    rows = [user_path.parse_row(text) for text in ("stock:fp32", "ours:bf16", "ours:fp32", "ours:bf16:cold")]
+    results = user_path.run_benchmark([TINY_COCO_CONFIG], rows, user_path.Settings(timeout_s=3600), source=None,
+                                      out_dir=tmp_path, progress=lambda line: None, deadline=200.0,
+                                      clock=lambda: now[0])
+    # 200 s: the first row may start (60 s assumed), the second (50 s taken so far, 150 left), the third needs the
+    # 80 s the second took (70 left): skipped, as is the fourth; each row that ran was limited to what was left.
+    assert [r["status"] for r in results] == ["ok", "ok", "skipped", "skipped"]
+    assert timeouts == [200.0, 150.0]
+    assert results[2]["error"] == "not started: 70 s were left before --deadline, and a row takes about 80 s"
+    text = markdown(summarize(results, user_path.Settings(), CocoSource(tmp_path, 4, 0)))
+    assert "ours:fp32 skipped** (log: None):" in text and "a row takes about 80 s" in text
+    with pytest.raises(SystemExit, match="--deadline 5: give more than the 5 s kept for the report"):
+        user_path.main([str(TINY_COCO_CONFIG), "--deadline", "5"])
 
 
 @pytest.mark.parametrize("text", ["0", "two", "-1"])
