@@ -62,6 +62,19 @@ def _losses_and_gradients(detector, inputs, samples):
     return {name: value.detach() for name, value in losses.items()}, grads
 
 
+def _assert_stocks_to_rounding(got, expected):
+    """``(losses, gradients)`` equal to stock's: the same loss names in order, float64 values within rounding (SDPA,
+    the batch's gathers and the one-pass sums add in other orders)."""
+    (losses, grads), (stock_losses, stock_grads) = got, expected
+    assert list(losses) == list(stock_losses)
+    for name in stock_losses:
+        torch.testing.assert_close(losses[name], stock_losses[name], rtol=1e-8, atol=1e-10, msg=name)
+    for ours, theirs in zip(grads, stock_grads):
+        assert (ours is None) == (theirs is None)
+        if theirs is not None:
+            torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=1e-8)
+
+
 @pytest.fixture
 def float64():
     with ddq_in_float64():
@@ -95,15 +108,7 @@ def test_the_fast_configs_switches_give_the_plain_configs_losses_and_gradients(f
         inputs, samples = _training_batch(sizes)
         expected, expected_grads = _losses_and_gradients(stock, inputs, samples)
         for _ in range(2 if sizes[1] == sizes[0] else 1):
-            got, got_grads = _losses_and_gradients(fast, inputs, samples)
-            assert list(got) == list(expected)
-            # float64: SDPA, the batch's gathers and the one-pass sums differ from stock by rounding only.
-            for name in expected:
-                torch.testing.assert_close(got[name], expected[name], rtol=1e-8, atol=1e-10, msg=name)
-            for ours, theirs in zip(got_grads, expected_grads):
-                assert (ours is None) == (theirs is None)
-                if theirs is not None:
-                    torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=1e-8)
+            _assert_stocks_to_rounding(_losses_and_gradients(fast, inputs, samples), (expected, expected_grads))
         if sizes[1] == sizes[0]:
             assert (region.eager_calls, region.replays, len(region.captured)) == (1, 1, 1)
     assert (region.eager_calls, region.replays, len(region.captured)) == (1, 2, 1)
@@ -128,14 +133,7 @@ def test_split_at_the_features_the_two_regions_give_the_plain_losses_and_gradien
     inputs, samples = _training_batch(((96, 128), (80, 104)))
     expected, expected_grads = _losses_and_gradients(stock, inputs, samples)
     for _ in range(2):  # the warm-up, then a capture at once and its replay
-        got, got_grads = _losses_and_gradients(fast, inputs, samples)
-        assert list(got) == list(expected)
-        for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=1e-8, atol=1e-10, msg=name)
-        for ours, theirs in zip(got_grads, expected_grads):
-            assert (ours is None) == (theirs is None)
-            if theirs is not None:
-                torch.testing.assert_close(ours, theirs, rtol=1e-7, atol=1e-8)
+        _assert_stocks_to_rounding(_losses_and_gradients(fast, inputs, samples), (expected, expected_grads))
     assert [(region.eager_calls, region.replays) for region in regions] == [(1, 1), (1, 1)]
 
 
