@@ -194,16 +194,6 @@ def remove_shape_buckets(cfg: Config) -> bool:
     return len(kept) != len(hooks)
 
 
-def set_fast_paths_cudnn_api(cfg: Config, v7: bool) -> int:
-    """Set ``cudnn_v7_api`` of the config's ``FastPathsHook`` entries (``--cudnn-api``), so that the hook's choice
-    agrees with the API the tool selected for the process; returns how many it set."""
-    hooks = [hook for hook in cfg.get("custom_hooks") or [] if isinstance(hook, dict)
-             and str(hook.get("type", "")).rsplit(".", 1)[-1] == "FastPathsHook"]
-    for hook in hooks:
-        hook["cudnn_v7_api"] = bool(v7)
-    return len(hooks)
-
-
 def apply_resume(cfg: Config, resume: Optional[str]) -> None:
     """``--resume`` alone resumes from the work dir's latest checkpoint; ``--resume PATH`` from that file."""
     if resume == "auto":

@@ -37,9 +37,10 @@ from mmengine.runner import Runner
 
 from deform_plugin.cli import (AMP_DTYPES, apply_resume, build_runner, enable_amp, enable_auto_scale_lr,
                                enable_resume_by_parameter_name, load_config, parse_with_common_arguments,
-                               remove_shape_buckets, set_fast_paths_cudnn_api)
+                               remove_shape_buckets)
 from deform_plugin.conv_planning import select_cudnn_api
 from deform_plugin.cpu_threads import configure_cpu_threads
+from deform_plugin.engine.fast_paths_hook import set_cudnn_api_in_config
 from deform_plugin.engine.triton_precompile import precompile_config_kernels, precompile_runner_kernels
 
 
@@ -83,7 +84,7 @@ def build_train_config(args: argparse.Namespace) -> Config:
         print_log(f"--no-shape-buckets: {args.config} has no ShapeBucketsHook; its padding is stock's already",
                   logger="current", level=logging.WARNING)
     if args.cudnn_api:
-        set_fast_paths_cudnn_api(cfg, args.cudnn_api == "v7")
+        set_cudnn_api_in_config(cfg, args.cudnn_api == "v7")
     return cfg
 
 

@@ -139,13 +139,27 @@ HOOK_OPTIONS = tuple(name for name, parameter in inspect.signature(FastPathsHook
                      if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD)
 
 
+def fast_paths_hook_entries(cfg) -> list:
+    """The config's ``custom_hooks`` entries that build a :class:`FastPathsHook` (named or given as the class)."""
+    return [hook_cfg for hook_cfg in cfg.get("custom_hooks", None) or [] if hook_cfg.get("type") in (
+        "FastPathsHook", FastPathsHook)]
+
+
+def set_cudnn_api_in_config(cfg, v7: bool) -> int:
+    """Set ``cudnn_v7_api`` of the config's :class:`FastPathsHook` entries (``tools/train.py --cudnn-api``), so that
+    the hook's choice agrees with the API the tool selected for the process; returns how many it set."""
+    entries = fast_paths_hook_entries(cfg)
+    for hook_cfg in entries:
+        hook_cfg["cudnn_v7_api"] = bool(v7)
+    return len(entries)
+
+
 def fast_path_switches_from_config(cfg) -> dict:
     """The switches a config's ``custom_hooks`` give :class:`FastPathsHook`, as they are set there ({} when it has
     none; the hook's own options are left out); a key that is neither is refused."""
     from deform_plugin.integration.mmdet_fast_paths import FastPaths
     switches = {}
-    for hook_cfg in cfg.get("custom_hooks", None) or []:
-        if hook_cfg.get("type") in ("FastPathsHook", FastPathsHook):
-            switches.update({k: v for k, v in hook_cfg.items() if k not in ("type", "priority") + HOOK_OPTIONS})
+    for hook_cfg in fast_paths_hook_entries(cfg):
+        switches.update({k: v for k, v in hook_cfg.items() if k not in ("type", "priority") + HOOK_OPTIONS})
     paths = FastPaths.from_dict(switches)  # checks the names and values, and normalises them (1 -> True)
     return {name: getattr(paths, name) for name in switches}

@@ -320,7 +320,8 @@ def results_from_timing_files(run_dir: Path) -> List[dict]:
         if not separator or not isinstance(timing, dict) or "label" not in timing or "windows" not in timing:
             raise ValueError(f"{path} is not a timing file of this benchmark (CONFIG__ROW.json with a label and "
                              "windows)")
-        gpus = int(rest.rsplit("__", 1)[1][:-len("gpus")]) if rest.endswith("gpus") and "__" in rest else 1
+        _, _, gpu_count = rest.partition("__")  # run_row's name: CONFIG__ROW, then __Ngpus on several GPUs
+        gpus = int(gpu_count[:-len("gpus")]) if gpu_count.endswith("gpus") else 1
         results.append(dict(config=f"{config_stem}.py", row=timing["label"], gpus=gpus, status="ok", timing=timing,
                             log=None, error=None, wall_s=None, text_encoder=None))
     return results

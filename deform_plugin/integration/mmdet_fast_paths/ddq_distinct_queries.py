@@ -25,9 +25,8 @@ order, where mmcv's unstable sort of the active queries may put another of them 
 beyond the threshold, the other one is then kept); before the decoder, from ``split_thr`` proposals on (mmcv then
 sorts the kept boxes' scores once more), tied kept proposals may fall in another order across the ``num_queries``-th
 place; and an IoU within float32 rounding of the threshold may fall the other way than mmcv's CPU kernel's
-``inter / union > iou_threshold`` decides. mmdet's
-methods stay the fallback for configurations this does not mirror (another NMS type, class-agnostic NMS, a
-``max_num``).
+``inter / union > iou_threshold`` decides. mmdet's methods stay the fallback for configurations this does not mirror
+(another NMS type, class-agnostic NMS, a ``max_num``).
 """
 from __future__ import annotations
 
@@ -70,13 +69,19 @@ def _iou_threshold(cache_dict) -> Optional[float]:
     return float(config["iou_threshold"])
 
 
+def _mmcv_score_order(scores: torch.Tensor) -> torch.Tensor:
+    """``(B, N)`` indices: each image's scores sorted as mmcv sorts them (its NMS kernels' ``scores.sort(0,
+    descending=True)``, and ``batched_nms`` without an NMS config), in at least float32 as ``float32_nms`` passes
+    them: the same call, so exactly tied scores (a padded image's padding tokens) fall as they do in stock."""
+    key = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    return torch.stack([image_scores.sort(descending=True).indices for image_scores in key])
+
+
 def kernel_visit_ranks(scores: torch.Tensor) -> torch.Tensor:
     """``(B, N)`` float32 scores that :func:`greedy_nms_first_kept` visits in the order mmcv's NMS kernels visit
-    each image's boxes: the kernels' own ``scores.sort(0, descending=True)`` of the image's scores (in at least
-    float32, as ``float32_nms`` passes them), made strictly decreasing ranks, so that exactly tied scores (a padded
-    image's padding tokens) fall as the kernels order them, not in index order."""
-    key = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    order = torch.stack([image_scores.sort(descending=True).indices for image_scores in key])
+    each image's boxes (:func:`_mmcv_score_order`), made strictly decreasing ranks, so that exactly tied scores fall
+    as the kernels order them, not in index order."""
+    order = _mmcv_score_order(scores)
     count = order.shape[1]
     ranks = torch.arange(count, 0, -1, dtype=torch.float32, device=scores.device).expand_as(order)
     return torch.empty_like(ranks).scatter_(1, order, ranks)
@@ -133,22 +138,33 @@ def pre_decoder_sync_free(self, memory: torch.Tensor, memory_mask: torch.Tensor,
     training mmdet's own, with its NMS in float32."""
     if self.training:
         return _stock_pre_decoder_with_float32_nms()(self, memory, memory_mask, spatial_shapes, batch_data_samples)
-    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
     output_memory, output_proposals = self.gen_encoder_output_proposals(memory, memory_mask, spatial_shapes)
-    enc_outputs_class = self.bbox_head.cls_branches[self.decoder.num_layers](output_memory)
-    enc_outputs_coord_unact = self.bbox_head.reg_branches[self.decoder.num_layers](output_memory) + output_proposals
-    topk = self.num_queries
+    _, query, topk_coords_unact = _distinct_proposals(self, self.query_map(memory.detach()), output_memory,
+                                                      output_proposals)
+    self.cache_dict["dis_query_info"] = [0, self.num_queries]
+    decoder_inputs_dict = dict(query=query, memory=memory, reference_points=topk_coords_unact.detach().sigmoid(),
+                               dn_mask=None)
+    return decoder_inputs_dict, dict()
+
+
+def _distinct_proposals(detector, map_memory: torch.Tensor, output_memory: torch.Tensor,
+                        output_proposals: torch.Tensor):
+    """The first ``num_queries`` encoder proposals that NMS keeps, for the whole batch: their class scores, mapped
+    memory (rows of ``map_memory``, the detector's ``query_map`` of its memory) and unactivated boxes, zeros after
+    the last kept one (``align_tensor``'s padding)."""
+    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
+    head = detector.bbox_head
+    num_layers = detector.decoder.num_layers
+    enc_outputs_class = head.cls_branches[num_layers](output_memory)
+    enc_outputs_coord_unact = head.reg_branches[num_layers](output_memory) + output_proposals
     proposals = bbox_cxcywh_to_xyxy(enc_outputs_coord_unact.sigmoid())
     scores = enc_outputs_class.max(-1)[0].sigmoid()
     kept, _ = greedy_nms_first_kept(nms_boxes_like_batched_nms(proposals, None), kernel_visit_ranks(scores), None,
-                                    _iou_threshold(self.cache_dict), max_kept=topk)
+                                    _iou_threshold(detector.cache_dict), max_kept=detector.num_queries)
     present, index = kept >= 0, kept.clamp(min=0)
-    topk_coords_unact = _gather_rows(enc_outputs_coord_unact, index, present).detach()
-    query = _gather_rows(self.query_map(memory.detach()), index, present)
-    self.cache_dict["dis_query_info"] = [0, topk]
-    decoder_inputs_dict = dict(query=query, memory=memory, reference_points=topk_coords_unact.sigmoid(),
-                               dn_mask=None)
-    return decoder_inputs_dict, dict()
+    return (_gather_rows(enc_outputs_class, index, present),
+            _gather_rows(map_memory, index, present),
+            _gather_rows(enc_outputs_coord_unact, index, present))
 
 
 def training_pre_decoder_sync_free(detector, memory: torch.Tensor, memory_mask: torch.Tensor,
@@ -161,31 +177,15 @@ def training_pre_decoder_sync_free(detector, memory: torch.Tensor, memory_mask: 
     dense branch's score (what mmcv's ``batched_nms`` without an NMS config returns: each image's scores sorted by
     the same call), and the attention mask extended by the dense queries, which see only each other. Returns mmdet's
     decoder and head inputs; sets the shared ``cache_dict``'s query layout."""
-    from mmdet.structures.bbox import bbox_cxcywh_to_xyxy
     head, cache = detector.bbox_head, detector.cache_dict
     output_memory, output_proposals = detector.gen_encoder_output_proposals(memory, memory_mask, spatial_shapes)
-    num_layers = detector.decoder.num_layers
-    enc_outputs_class = head.cls_branches[num_layers](output_memory)
-    enc_outputs_coord_unact = head.reg_branches[num_layers](output_memory) + output_proposals
+    map_memory = detector.query_map(memory.detach())
+    topk_score, query, coords_unact = _distinct_proposals(detector, map_memory, output_memory, output_proposals)
     dense_enc_outputs_class = head.cls_branches[-1](output_memory)
     dense_enc_outputs_coord_unact = head.reg_branches[-1](output_memory) + output_proposals
     topk = detector.num_queries
     num_dense = min(int(topk * detector.dense_topk_ratio), memory.shape[1])
-    proposals = bbox_cxcywh_to_xyxy(enc_outputs_coord_unact.sigmoid())
-    scores = enc_outputs_class.max(-1)[0].sigmoid()
-    kept, _ = greedy_nms_first_kept(nms_boxes_like_batched_nms(proposals, None), kernel_visit_ranks(scores), None,
-                                    _iou_threshold(cache), max_kept=topk)
-    present, index = kept >= 0, kept.clamp(min=0)
-    map_memory = detector.query_map(memory.detach())
-    topk_score = _gather_rows(enc_outputs_class, index, present)
-    query = _gather_rows(map_memory, index, present)
-    coords_unact = _gather_rows(enc_outputs_coord_unact, index, present)
-    # Image by image, as mmcv sorts (float32_nms' dtype): its sort orders exact ties (such as a padded image's
-    # padding tokens) as this one does.
-    dense_scores = dense_enc_outputs_class.max(-1)[0].sigmoid()
-    dense_scores = dense_scores.to(torch.promote_types(dense_scores.dtype, torch.float32))
-    dense_index = torch.stack([image_scores.sort(descending=True).indices[:num_dense]
-                               for image_scores in dense_scores])
+    dense_index = _mmcv_score_order(dense_enc_outputs_class.max(-1)[0].sigmoid())[:, :num_dense]
     everywhere = torch.ones_like(dense_index, dtype=torch.bool)
     dense_topk_score = _gather_rows(dense_enc_outputs_class, dense_index, everywhere)
     query = torch.cat([query, _gather_rows(map_memory, dense_index, everywhere)], dim=1)
