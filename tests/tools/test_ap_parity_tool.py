@@ -34,8 +34,10 @@ def test_an_unknown_config_is_named(tool, capsys):
 
 def test_an_unknown_row_is_named(tool, capsys):
     message = error_of(tool, capsys, "--rows", "mmcv:fp32")
-    assert "row 'mmcv:fp32' is not SIDE:MODE[:no-buckets][:cold][:cudnn-v7]: side 'mmcv' is not one of stock, ours" in (
-        message)
+    assert "row 'mmcv:fp32' is not SIDE:MODE[:no-buckets][:cold][:cudnn-v7][:own-shapes]: side 'mmcv' is not one of " \
+        "stock, ours" in message
+    assert "own-shapes pads per rank under several GPUs, and every AP parity run trains on one" in error_of(
+        tool, capsys, "--rows", "ours:bf16:own-shapes")
 
 
 def test_bf16_rows_need_a_gpu(tool, capsys):

@@ -67,6 +67,18 @@ from .ap_parity_study import PLAN_FILE, Study, report, run_study
 from .parity_hook import read_json
 from .train_overlay import parse_row, read_base_config
 
+PARITY_ROW_GRAMMAR = "SIDE:MODE[:no-buckets][:cold][:cudnn-v7]"
+
+
+def parse_parity_row(text: str):
+    """A row as the training benchmark parses it, less ``own-shapes``: each parity run trains on one GPU, where that
+    option would change nothing but the label."""
+    row = parse_row(text)
+    if row.own_shapes:
+        raise argparse.ArgumentTypeError(f"row {text!r}: own-shapes pads per rank under several GPUs, and every AP "
+                                         f"parity run trains on one ({PARITY_ROW_GRAMMAR})")
+    return row
+
 DEFAULT_CONFIGS = ("ddetr", "dino")
 DEFAULT_ROWS = ("stock:fp32", "ours:fp32", "ours:bf16")
 DEFAULT_SEEDS = (0, 1, 2)
@@ -103,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="The tool's module docstring (deform_plugin/benchmarks/detector/ap_parity.py) explains the steps.")
     parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), metavar="NAME",
                         help=f"model families: {', '.join(PARITY_CONFIGS)} (default: {' '.join(DEFAULT_CONFIGS)})")
-    parser.add_argument("--rows", nargs="+", type=parse_row, default=[parse_row(r) for r in DEFAULT_ROWS],
-                        metavar="SIDE:MODE[:no-buckets][:cold][:cudnn-v7]",
+    parser.add_argument("--rows", nargs="+", type=parse_parity_row,
+                        default=[parse_parity_row(r) for r in DEFAULT_ROWS], metavar=PARITY_ROW_GRAMMAR,
                         help="rows as tools/benchmark_train.py names them; the first is the baseline the target is "
                              f"checked against (default: {' '.join(DEFAULT_ROWS)})")
     parser.add_argument("--seeds", nargs="+", type=int, default=list(DEFAULT_SEEDS))

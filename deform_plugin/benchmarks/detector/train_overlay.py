@@ -46,23 +46,28 @@ class Row:
     # True: cuDNN's v7 convolution API for the row's process (TORCH_CUDNN_V8_API_DISABLED=1): cheaper planning at a
     # new input shape, slower kernels at a seen one (deform_plugin/conv_planning.py)
     cudnn_v7: bool = False
+    # True: under several GPUs each rank pads to its own bucket (ShapeBucketsHook(same_shape_on_every_rank=False))
+    # instead of the largest of all ranks'
+    own_shapes: bool = False
 
     @property
     def label(self) -> str:
         return f"{self.side}:{self.mode}" + "".join(f":{option}" for option, on in
                                                    (("no-buckets", not self.buckets), ("cold", self.cold_cache),
-                                                    ("cudnn-v7", self.cudnn_v7)) if on)
+                                                    ("cudnn-v7", self.cudnn_v7), ("own-shapes", self.own_shapes))
+                                                   if on)
 
     @property
     def stock(self) -> bool:
         return self.side == "stock"
 
 
-ROW_OPTIONS = ("no-buckets", "cold", "cudnn-v7")
+ROW_OPTIONS = ("no-buckets", "cold", "cudnn-v7", "own-shapes")
+ROW_GRAMMAR = "SIDE:MODE" + "".join(f"[:{option}]" for option in ROW_OPTIONS)
 
 
 def parse_row(text: str) -> Row:
-    """``SIDE:MODE[:no-buckets][:cold][:cudnn-v7]``."""
+    """``SIDE:MODE[:no-buckets][:cold][:cudnn-v7][:own-shapes]`` (:data:`ROW_GRAMMAR`)."""
     side, mode, *options = text.split(":") + ([""] if ":" not in text else [])
     problems = []
     if side not in SIDES:
@@ -71,11 +76,13 @@ def parse_row(text: str) -> Row:
         problems.append(f"mode {mode!r} is not one of {', '.join(MODES)}")
     problems += [f"option {option!r} is not one of {', '.join(ROW_OPTIONS)}" for option in options
                  if option not in ROW_OPTIONS]
+    if "own-shapes" in options and ("no-buckets" in options or side == "stock"):
+        problems.append("own-shapes sets ShapeBucketsHook's padding across ranks, which a no-buckets or stock row "
+                        "does not have")
     if problems:
-        raise argparse.ArgumentTypeError(f"row {text!r} is not SIDE:MODE[:no-buckets][:cold][:cudnn-v7]: "
-                                         + "; ".join(problems))
+        raise argparse.ArgumentTypeError(f"row {text!r} is not {ROW_GRAMMAR}: " + "; ".join(problems))
     return Row(side, mode, buckets="no-buckets" not in options, cold_cache="cold" in options,
-               cudnn_v7="cudnn-v7" in options)
+               cudnn_v7="cudnn-v7" in options, own_shapes="own-shapes" in options)
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,11 @@ def overlay_settings(base_cfg, row: Row, source: CocoSource, settings: Settings,
     hooks = copy.deepcopy(list(base.get("custom_hooks") or []))
     if not row.buckets:
         hooks = [hook for hook in hooks if hook.get("type") != SHAPE_BUCKETS_HOOK]
+    if row.own_shapes:
+        if not any(hook.get("type") == SHAPE_BUCKETS_HOOK for hook in hooks):
+            raise UnsupportedConfig(f"row {row.label}: the config has no {SHAPE_BUCKETS_HOOK} to pad per rank")
+        hooks = [dict(hook, same_shape_on_every_rank=False) if hook.get("type") == SHAPE_BUCKETS_HOOK else hook
+                 for hook in hooks]
     if row.stock:
         imports = [name for name in imports if not is_plugin_module(name)]
         hooks = [hook for hook in hooks if hook.get("type") not in PLUGIN_HOOKS]

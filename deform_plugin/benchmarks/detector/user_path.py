@@ -34,6 +34,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,7 @@ from ..stock_process import stock_command
 from .coco_panoptic_source import ensure_coco_panoptic_source
 from .coco_source import CocoSource, ensure_coco_source
 from .random_text_encoder import TEXT_ENCODER_CHOICES, TIMING_ONLY_LABEL, random_text_encoder_override
-from .train_overlay import (NEVER, PANOPTIC, TIMER_HOOK, TIMER_MODULE, Row, Settings,  # noqa: F401
+from .train_overlay import (NEVER, PANOPTIC, ROW_GRAMMAR, TIMER_HOOK, TIMER_MODULE, Row, Settings,  # noqa: F401
                             UnsupportedConfig, check_supported, overlay_settings, parse_row, plugin_references,
                             read_base_config, render_overlay)
 
@@ -55,22 +56,29 @@ STOCK_TRAIN_MODULE = "deform_plugin.benchmarks.detector.stock_train"
 AMP_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 DEFAULT_ROWS = ("stock:fp32", "ours:fp32", "ours:bf16")
 LOG_TAIL_LINES = 40
-DIST_PORT = 29517  # torch.distributed.run rendezvous of multi-GPU rows (one row runs at a time)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Running one row
 # ---------------------------------------------------------------------------------------------------------------------
 
+def free_port() -> int:
+    """A TCP port of this host that nothing listens on now, for a multi-GPU row's rendezvous: a fixed port would
+    still be held by the previous row's ranks while NCCL shuts down, or by another benchmark on the same host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def row_command(row: Row, overlay_path: Path, work_dir: Path, gpus: int = 1,
-                numa_binding: Optional[str] = None) -> List[str]:
+                numa_binding: Optional[str] = None, port: Optional[int] = None) -> List[str]:
     """The training command line a user would type for this row (with ``gpus`` > 1: as tools/dist_train.sh runs
-    it, one process per GPU under ``torch.distributed.run``; ``numa_binding`` is its ``--numa-binding`` mode, or
-    None)."""
+    it, one process per GPU under ``torch.distributed.run`` rendezvousing on ``port``, a free one when None;
+    ``numa_binding`` is its ``--numa-binding`` mode, or None)."""
     launcher = [sys.executable]
     if gpus > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}",
-                    f"--master_port={DIST_PORT}"]
+                    f"--master_port={port or free_port()}"]
         if numa_binding:
             launcher.append(f"--numa-binding={numa_binding}")
     if row.stock:
@@ -254,9 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("configs", nargs="*", type=Path,
                         help="config files (detection, instance or panoptic segmentation)")
     parser.add_argument("--rows", nargs="+", type=parse_row, default=[parse_row(r) for r in DEFAULT_ROWS],
-                        help="SIDE:MODE[:no-buckets][:cold][:cudnn-v7] rows, SIDE in stock|ours, MODE in "
+                        help=f"{ROW_GRAMMAR} rows, SIDE in stock|ours, MODE in "
                              "fp32|fp16|bf16; no-buckets removes the config's ShapeBucketsHook, cold gives the row an "
-                             "empty Triton cache, cudnn-v7 selects cuDNN's v7 convolution API; the first row is the "
+                             "empty Triton cache, cudnn-v7 selects cuDNN's v7 convolution API, own-shapes lets each "
+                             "rank of a multi-GPU row pad to its own bucket; the first row is the "
                              f"speedup baseline (default: {' '.join(DEFAULT_ROWS)})")
     parser.add_argument("--iters", type=int, default=Settings.iters, help="training iterations per row")
     parser.add_argument("--batch-size", type=int, default=Settings.batch_size, help="images per iteration")

@@ -54,6 +54,16 @@ def test_our_overlay_keeps_the_plugin_pieces(tmp_path, source):
     assert cfg.train_cfg.type == "IterBasedTrainLoop" and "dynamic_intervals" not in cfg.train_cfg
 
 
+def test_an_own_shapes_row_pads_each_rank_to_its_own_bucket(tmp_path, source):
+    base, cfg = merged_overlay(tmp_path, FAST_DDETR, "ours:bf16:own-shapes", source)
+    buckets = [hook for hook in cfg.custom_hooks if hook.type == "ShapeBucketsHook"]
+    shipped = [hook for hook in base.custom_hooks if hook.type == "ShapeBucketsHook"]
+    assert len(buckets) == 1 and buckets[0].same_shape_on_every_rank is False
+    assert {k: v for k, v in buckets[0].items() if k != "same_shape_on_every_rank"} == shipped[0].to_dict()
+    with pytest.raises(user_path.UnsupportedConfig, match="has no ShapeBucketsHook to pad per rank"):
+        merged_overlay(tmp_path, FAST_MASK2FORMER, "ours:bf16:own-shapes", source)
+
+
 def test_the_ddq_fast_config_gives_a_stock_and_our_overlay(tmp_path, source):
     # Its FastPathsHook is written out in the config (not a fast_step.py value): the stock overlay still drops it.
     base, stock = merged_overlay(tmp_path, FAST_DDQ, "stock:fp32", source)

@@ -35,22 +35,42 @@ def test_row_options_name_the_rows_and_set_their_process_environment(tmp_path):
                                                                  "TORCH_CUDNN_V8_API_DISABLED": "1"}
     assert user_path.row_environment(user_path.parse_row("stock:fp32:cudnn-v7"), tmp_path) == {
         "TORCH_CUDNN_V8_API_DISABLED": "1"}
-    with pytest.raises(Exception, match="option 'cudnn-v9' is not one of no-buckets, cold, cudnn-v7"):
+    with pytest.raises(Exception, match="option 'cudnn-v9' is not one of no-buckets, cold, cudnn-v7, own-shapes"):
         user_path.parse_row("ours:bf16:cudnn-v9")
 
 
+def test_own_shapes_rows_let_each_rank_pad_to_its_own_bucket():
+    row = user_path.parse_row("ours:bf16:own-shapes")
+    assert row.own_shapes and row.label == "ours:bf16:own-shapes"
+    for text in ("ours:bf16:no-buckets:own-shapes", "stock:fp32:own-shapes"):
+        with pytest.raises(Exception, match="own-shapes sets ShapeBucketsHook's padding across ranks"):
+            user_path.parse_row(text)
+
+
 def test_multi_gpu_rows_run_each_script_under_torch_distributed(tmp_path):
-    ours = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2)
-    assert ours[1:4] == ["-m", "torch.distributed.run", "--nproc_per_node=2"]
+    ours = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2,
+                                 port=29601)
+    assert ours[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29601"]
     assert ours[-2:] == ["--launcher", "pytorch"] and "--amp-dtype" in ours
     stock = user_path.row_command(user_path.parse_row("stock:fp32"), tmp_path / "o.py", tmp_path / "w", gpus=2)
     assert stock[5:7] == stock_command(user_path.STOCK_TRAIN_MODULE) and stock[-2:] == ["--launcher", "pytorch"]
     bound = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=2,
-                                  numa_binding="node")
+                                  numa_binding="node", port=29601)
     assert bound[:6] == ours[:5] + ["--numa-binding=node"] and bound[6:] == ours[5:]
     single = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w",
                                    numa_binding="node")
     assert not any("numa" in part for part in single)  # one process: nothing to bind
+
+
+def test_each_multi_gpu_row_rendezvouses_on_a_port_nothing_holds(tmp_path):
+    import socket
+    command = user_path.row_command(user_path.parse_row("ours:bf16"), tmp_path / "o.py", tmp_path / "w", gpus=4)
+    port = int(next(part for part in command if part.startswith("--master_port=")).split("=")[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:  # it is free: a rank could listen on it
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        taken = listener.getsockname()[1]
+        assert user_path.free_port() != taken  # and a port in use is never handed out
 
 
 def test_every_row_runs_on_each_gpu_count_in_turn(tmp_path, monkeypatch):
