@@ -15,7 +15,10 @@ v7         50                32                 55                24
 
 So the v7 API wins where nearly every step meets a new shape (training without shape buckets: a Deformable-DETR
 bf16 step at a new shape took 199 ms instead of 295), and loses where shapes recur (the same run's graph replays:
-67 ms instead of 56). Both APIs run cuDNN's own kernels; results agree to the rounding of the algorithm chosen.
+67 ms instead of 56). In float32 and float16 both APIs run cuDNN's kernels. In bfloat16 PyTorch takes cuDNN only
+through the v8 API: under v7 its convolutions run on PyTorch's own kernels (im2col and col2im around a GEMM), which
+the bf16 columns above measure. A run whose shapes recur keeps v8: in a Mask2Former panoptic bf16 step at its one LSJ
+size (H200), v7 left 23 ms per step in those im2col and col2im kernels alone.
 
 Batch-1 graph inference meets a new input size at every new bucket, where a call runs eagerly or captures; there the
 v7 API is the better trade. Four H200s of one host, one stream per GPU, ms per image over 64 images (coco16: the 16

@@ -28,9 +28,10 @@ class FastPathsHook(Hook):
 
     Args:
         graph_capture_after (int, optional): with ``cuda_graphs``, the call at which an input shape is captured
-            (``CapturePolicy.capture_after``). None (the default): 1 where the run pads its batches with
-            :class:`ShapeBucketsHook` (shapes recur by construction: a new one is captured at its first call), else
-            2 (a random-resize pipeline's shapes rarely recur: a shape seen once runs eagerly).
+            (``CapturePolicy.capture_after``). None (the default): 1 where the run's batch shapes recur by
+            construction (padded with :class:`ShapeBucketsHook`, or to one size by mmdet's ``BatchFixedSizePad``
+            as in Mask2Former's LSJ configs: a new shape is captured at its first call), else 2 (a random-resize
+            pipeline's shapes rarely recur: a shape seen once runs eagerly).
         max_graphs (int): with ``cuda_graphs``, input shapes captured at most; later new shapes run eagerly.
         max_graph_memory_mb (float, optional): with ``cuda_graphs``, the device memory the captures may add, MiB.
         precompile_triton (bool): compile the model's Triton MSDA kernels while the run starts, one worker process
@@ -39,9 +40,10 @@ class FastPathsHook(Hook):
             ``tools/train.py`` (:func:`~deform_plugin.engine.triton_precompile.precompile_runner_kernels`).
         cudnn_v7_api (bool, optional): choose convolution algorithms through cuDNN's v7 API, whose choice for a
             new input shape costs less host time, though its choices run slower once made
-            (:mod:`deform_plugin.conv_planning` gives both figures). None (the default): on for a model on CUDA
-            in a run that does not pad its batches with :class:`ShapeBucketsHook` (nearly every batch is a new
-            shape), off where it does (shapes recur). Takes effect when the process's first convolution comes after this hook's
+            (:mod:`deform_plugin.conv_planning` gives both figures; in bfloat16 the v7 API means PyTorch's own
+            convolution kernels, not cuDNN's). None (the default): on for a model on CUDA in a run whose batch
+            shapes do not recur by construction (nearly every batch is a new shape), off where they do (see
+            ``graph_capture_after``). Takes effect when the process's first convolution comes after this hook's
             ``before_run``, as under ``tools/train.py``; ``TORCH_CUDNN_V8_API_DISABLED`` set by the user wins.
         **switches: the fast paths (fields of ``FastPaths``).
     """
@@ -83,12 +85,26 @@ class FastPathsHook(Hook):
     def _padded_to_buckets(runner) -> bool:
         return any(isinstance(hook, ShapeBucketsHook) for hook in getattr(runner, "hooks", ()))
 
+    @staticmethod
+    def _padded_to_one_size(model) -> bool:
+        """Whether the model's data preprocessor pads every training batch to one size: mmdet's
+        ``BatchFixedSizePad`` among its batch augments, after a pipeline that crops to at most that size (the LSJ
+        configs of Mask2Former)."""
+        from mmdet.models.data_preprocessors import BatchFixedSizePad
+        preprocessor = getattr(getattr(model, "module", model), "data_preprocessor", None)
+        return any(isinstance(augment, BatchFixedSizePad)
+                   for augment in getattr(preprocessor, "batch_augments", None) or ())
+
+    def shapes_recur(self, runner) -> bool:
+        """Whether the run's batch shapes recur by construction: padded to buckets or to one size."""
+        return self._padded_to_buckets(runner) or self._padded_to_one_size(getattr(runner, "model", None))
+
     def capture_policy(self, runner):
         """The graphs' capture policy for this run (see ``graph_capture_after``)."""
         from deform_plugin.cuda_graphs import CapturePolicy
         capture_after = self.graph_capture_after
         if capture_after is None:
-            capture_after = 1 if self._padded_to_buckets(runner) else 2
+            capture_after = 1 if self.shapes_recur(runner) else 2
         return CapturePolicy(capture_after=capture_after, max_graphs=self.max_graphs,
                              max_graph_memory_mb=self.max_graph_memory_mb)
 
@@ -115,7 +131,7 @@ class FastPathsHook(Hook):
         from deform_plugin.ops.msda import prepare_triton_in_background
         cudnn_v7_api = self.cudnn_v7_api
         if cudnn_v7_api is None:  # cuDNN matters only to a model on CUDA
-            cudnn_v7_api = self._model_on_cuda(runner.model) and not self._padded_to_buckets(runner)
+            cudnn_v7_api = self._model_on_cuda(runner.model) and not self.shapes_recur(runner)
         if cudnn_v7_api:
             from deform_plugin.conv_planning import prefer_cudnn_v7_api, selected_api_line
             if not prefer_cudnn_v7_api():

@@ -280,17 +280,54 @@ def test_cudnn_v7_api_is_selected_before_the_run_only_when_asked(monkeypatch):
     assert os.environ[CUDNN_V8_API_DISABLED] == "1"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the default decision reads where the model lives: CUDA")
-@pytest.mark.parametrize("hooks, v7", [([], True), (["buckets"], False)], ids=["no-buckets", "buckets"])
-def test_cudnn_v7_api_by_default_exactly_where_batches_are_not_padded_to_buckets(monkeypatch, hooks, v7):
-    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
+class _ModelPaddingTo(nn.Module):
+    """A model whose data preprocessor pads its batches as mmdet's does: to one size (BatchFixedSizePad) or not."""
+
+    def __init__(self, fixed_size):
+        from mmdet.models.data_preprocessors import DetDataPreprocessor
+        super().__init__()
+        self.layer = nn.Linear(2, 2)
+        augments = [dict(type="BatchFixedSizePad", size=fixed_size)] if fixed_size else None
+        self.data_preprocessor = DetDataPreprocessor(batch_augments=augments)
+
+
+def _runner_for(case):
     from deform_plugin.engine import ShapeBucketsHook
+    runner = _RunnerWithHooks([ShapeBucketsHook()] if case == "buckets" else [])
+    runner.model = _ModelPaddingTo((64, 64) if case == "one-size" else None)
+    return runner
+
+
+@pytest.mark.parametrize("case, v7", [("random-sizes", True), ("buckets", False), ("one-size", False)])
+def test_cudnn_v7_api_by_default_exactly_where_batch_shapes_do_not_recur(monkeypatch, case, v7):
+    # Under v7, PyTorch runs bfloat16 convolutions on its own im2col kernels: a run whose shapes recur (buckets, or
+    # Mask2Former's one LSJ size) keeps v8, whose plan for a shape is made once.
+    from deform_plugin.conv_planning import CUDNN_V8_API_DISABLED
     monkeypatch.setenv(CUDNN_V8_API_DISABLED, "")
     monkeypatch.delenv(CUDNN_V8_API_DISABLED)
-    runner = _RunnerWithHooks([ShapeBucketsHook() if hook == "buckets" else hook for hook in hooks])
-    runner.model = nn.Linear(2, 2).cuda()
-    FastPathsHook(precompile_triton=False).before_run(runner)
+    monkeypatch.setattr(FastPathsHook, "_model_on_cuda", staticmethod(lambda model: True))  # where cuDNN matters
+    runner = _runner_for(case)
+    hook = FastPathsHook(precompile_triton=False)
+    assert hook.shapes_recur(runner) is not v7
+    hook.before_run(runner)
     assert (os.environ.get(CUDNN_V8_API_DISABLED) == "1") is v7
+    assert hook.capture_policy(runner).capture_after == (2 if v7 else 1)
+
+
+def test_the_mask2former_fast_configs_pad_every_training_batch_to_one_size():
+    from mmengine.config import Config
+    from mmengine.registry import MODELS, DefaultScope
+
+    configs = Path(__file__).resolve().parents[2] / "configs" / "fast"
+    for name in ("mask2former_r50_8xb2-lsj-50e_coco_deform-plugin-fast.py",
+                 "mask2former_r50_8xb2-lsj-50e_coco-panoptic_deform-plugin-fast.py"):
+        cfg = Config.fromfile(str(configs / name))
+        with DefaultScope.overwrite_default_scope("mmdet"):
+            preprocessor = MODELS.build(cfg.model.data_preprocessor)
+        assert FastPathsHook._padded_to_one_size(nn.Module()) is False
+        holder = nn.Module()
+        holder.data_preprocessor = preprocessor
+        assert FastPathsHook._padded_to_one_size(holder), name
 
 
 def test_the_dtypes_of_a_run_read_from_its_optimizer_wrappers_config_before_it_is_built():
