@@ -4,7 +4,7 @@
 
 1. where mmcv is installed without its compiled ops (mmcv-lite), installs a stand-in ``mmcv._ext`` so that
    ``mmdet.models`` and friends import (see :mod:`deform_plugin.integration.mmcv_lite`);
-2. makes mmengine checkpoints load under torch >= 2.6;
+2. makes mmengine checkpoints load under torch >= 2.6, and a data loader's ``pin_memory`` pin the data samples too;
 3. registers our ``MultiScaleDeformableAttention`` and rebinds mmdet's MSDA construction sites to it;
 4. registers the step-level speedups (:mod:`deform_plugin.engine`) and the embedded demo dataset.
 

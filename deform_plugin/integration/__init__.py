@@ -3,6 +3,7 @@
 - :mod:`.mmcv_lite`: are mmcv's compiled ops present; the stand-in ``mmcv._ext`` where they are not;
 - :mod:`.mmcv_msda_backend`: mmcv's stock MSDA kernel as the op's ``'mmcv'`` backend;
 - :mod:`.mmengine_checkpoint`: mmengine checkpoints under torch's weights-only loading;
+- :mod:`.mmengine_pinned_samples`: a data loader's ``pin_memory`` also pins mmengine's data samples (the targets);
 - :mod:`.mmdet_msda_sites`: our MSDA wherever mmdet builds one;
 - :mod:`.mmdet_focal_loss`: bf16 logits through mmcv's compiled focal loss;
 - :mod:`.mmdet_fast_paths`: the exact fast paths of a training step (opt-in, per model).
@@ -26,6 +27,8 @@ def install_openmmlab_integration() -> None:
     register_mmcv_msda_backend()
     from .mmengine_checkpoint import install_checkpoint_allowlist
     install_checkpoint_allowlist()
+    from .mmengine_pinned_samples import install_data_element_pinning
+    install_data_element_pinning()
     from .mmdet_focal_loss import install_bf16_focal_loss
     from .mmdet_msda_sites import install_msda_construction_sites
     install_msda_construction_sites()

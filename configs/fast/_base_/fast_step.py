@@ -11,8 +11,9 @@ fast_custom_imports = dict(imports=['deform_plugin', 'deform_plugin.engine'], al
 # and LR-scheduler state over by parameter name (OptimizerStateByNameHook, docs/whole_detector.md).
 fast_optim_wrapper = dict(type='SyncFreeOptimWrapper', constructor='MergedParamGroupsOptimWrapperConstructor')
 fast_default_hooks = dict(runtime_info=dict(type='DeferredRuntimeInfoHook'))
-# Batches reach the GPU without a blocking copy: pinned by the data loader, copied asynchronously by the data
-# preprocessor (the same values; a blocking copy would wait for all queued GPU work).
+# Batches reach the GPU without a blocking copy: pinned by the data loader (images and, through deform_plugin, the
+# data samples' targets), copied asynchronously by the data preprocessor (the same values; a copy from pageable
+# memory would wait for all queued GPU work).
 fast_train_dataloader = dict(pin_memory=True)
 fast_model = dict(data_preprocessor=dict(non_blocking=True))
 # Under tools/dist_train.sh: the graphed step writes every gradient into one flat buffer, which the wrapper
