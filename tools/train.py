@@ -13,9 +13,10 @@ mmdet checkpoints included), optimizer and LR-scheduler state carried over by pa
 ``FastPathsHook`` compiles the Triton kernels ahead, they start compiling as soon as the Runner is built.
 ``--no-shape-buckets`` trains a ``configs/fast/`` config with stock's padding: its ``ShapeBucketsHook``, the one
 inexact fast path, is dropped (docs/results.md gives what it did to mAP). ``--cudnn-api`` picks cuDNN's convolution
-API for the run (``FastPathsHook`` otherwise selects v7 without ``ShapeBucketsHook`` and keeps PyTorch's v8 with it):
-v7 plans a new input shape for a fraction of v8's host time, so short runs and first hours start faster, while
-v8's kernels replay faster at shapes seen before (docs/results.md measures both).
+API for the run (``FastPathsHook`` otherwise selects v7 where batch shapes do not recur and keeps PyTorch's v8 where
+they do: ``ShapeBucketsHook``, or one padded size): v7 plans a new input shape for a fraction of v8's host time, so
+short runs and first hours start faster, while v8's kernels replay faster at shapes seen before (in bf16 v7 runs
+PyTorch's own convolution kernels; docs/results.md measures both).
 """
 from __future__ import annotations
 
@@ -61,8 +62,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "of padding them further to shared shapes (faster, not exact)")
     parser.add_argument("--cudnn-api", choices=("v7", "v8"),
                         help="cuDNN's convolution API for this run (default: the config's FastPathsHook chooses: v7 "
-                        "without ShapeBucketsHook, v8 with it); v7 plans new input shapes faster, v8 runs seen ones "
-                        "faster")
+                        "where batch shapes do not recur, v8 with ShapeBucketsHook or one padded size); v7 plans new "
+                        "input shapes faster, v8 runs seen ones faster")
     args = parse_with_common_arguments(parser, argv)
     if args.cudnn_api:
         # PyTorch reads the choice at the process's first convolution: set before anything can run one.

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import torch
 
-_INSTALLED_FLAG = "__deform_plugin_pins_data_elements__"
-
-
 def pinned_data_element(element):
     """``element`` (an mmengine ``BaseDataElement``) with every CPU tensor it holds, nested elements included, in
     pinned memory; metainfo and other values as they are. ``element`` itself is left unchanged."""
@@ -42,5 +39,4 @@ def install_data_element_pinning() -> bool:
     if hasattr(BaseDataElement, "pin_memory"):
         return False
     BaseDataElement.pin_memory = pinned_data_element
-    setattr(BaseDataElement, _INSTALLED_FLAG, True)
     return True

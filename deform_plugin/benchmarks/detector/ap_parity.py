@@ -65,9 +65,9 @@ from .ap_parity_config import (
 from .ap_parity_processes import init_dir
 from .ap_parity_study import PLAN_FILE, Study, report, run_study
 from .parity_hook import read_json
-from .train_overlay import parse_row, read_base_config
+from .train_overlay import ROW_OPTIONS, parse_row, read_base_config
 
-PARITY_ROW_GRAMMAR = "SIDE:MODE[:no-buckets][:cold][:cudnn-v7]"
+PARITY_ROW_GRAMMAR = "SIDE:MODE" + "".join(f"[:{option}]" for option in ROW_OPTIONS if option != "own-shapes")
 
 
 def parse_parity_row(text: str):
